@@ -1,0 +1,153 @@
+"""The rollout controller: one Ray actor that owns the run's shared state.
+
+It owns the prompt cursor, the admission budget that bounds staleness and memory, the replay queue, and the
+latest published weights. Rollout workers ask it for prompts and for new weights; reward workers push scored
+groups into it; the driver takes batches from it and publishes weights through it. Everything here is plain
+Python and serializable (`state_dict`), so the simulator and the checkpoints use the same class.
+"""
+
+import random
+from collections import Counter
+
+from actors.replay_queue import ReplayQueue
+from protocols.trajectory import Prompt, TrajectoryGroup
+
+
+class PromptCursor:
+    """Endless shuffled pass over the training prompts; the (epoch, index) pair is the data position."""
+
+    def __init__(self, prompts: list[Prompt], seed: int) -> None:
+        if not prompts:
+            raise ValueError("the training set is empty after filtering; check data.train_path and data.max_prompt_tokens")
+        self.prompts = prompts
+        self.seed = seed
+        self.epoch = 0
+        self.index = 0
+        self._order = self._shuffled(0)
+
+    def _shuffled(self, epoch: int) -> list[int]:
+        order = list(range(len(self.prompts)))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def next(self) -> Prompt:
+        if self.index == len(self._order):
+            self.epoch += 1
+            self.index = 0
+            self._order = self._shuffled(self.epoch)
+        prompt = self.prompts[self._order[self.index]]
+        self.index += 1
+        return prompt
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.index = state["epoch"], state["index"]
+        self._order = self._shuffled(self.epoch)
+
+
+class RolloutController:
+    """Admission, queue and weights. Admission rule (AReaL's staleness control, Fu et al. 2025, sec. 5.1):
+    a worker holding policy version w may start a group only while
+
+        admitted - dropped < (w + max_staleness + 1) * prompts_per_step
+
+    so every admitted group is trained by step w + max_staleness at the latest, and at most
+    (max_staleness + 1) batches are queued or in flight: memory stays bounded and workers slow down by themselves.
+    """
+
+    def __init__(self, prompts: list[Prompt], prompts_per_step: int, max_staleness: int,
+                 drop_zero_variance: bool, seed: int) -> None:
+        self.cursor = PromptCursor(prompts, seed)
+        self.prompts_per_step = prompts_per_step
+        self.max_staleness = max_staleness
+        self.queue = ReplayQueue(max_staleness, drop_zero_variance)
+        self.admitted = 0
+        self.learner_version = 0
+        self.stopped = False
+        self._weights: tuple[int, list] = (0, [])
+        self._admitted_by_worker: Counter[int] = Counter()
+        self.worker_stats: dict[int, dict] = {}
+
+    # --- rollout workers -------------------------------------------------------------------------------------
+    def budget(self, worker_version: int) -> int:
+        dropped = sum(self.queue.dropped.values())
+        limit = (worker_version + self.max_staleness + 1) * self.prompts_per_step
+        return max(0, limit - (self.admitted - dropped))
+
+    def acquire(self, worker_id: int, worker_version: int, max_groups: int) -> tuple[bool, list[tuple[str, Prompt]]]:
+        """Up to `max_groups` prompts the worker may start now, as (group_id, prompt); first value: stop flag."""
+        if self.stopped:
+            return True, []
+        granted = []
+        for _ in range(min(max_groups, self.budget(worker_version))):
+            group_id = f"g{self.admitted}"
+            self.admitted += 1
+            self._admitted_by_worker[worker_id] += 1
+            granted.append((group_id, self.cursor.next()))
+        return False, granted
+
+    def latest_weights(self, known_version: int) -> tuple[int, list] | None:
+        """(version, [weights ref]) when newer than `known_version`, else None."""
+        version, refs = self._weights
+        return (version, refs) if version > known_version else None
+
+    # --- reward workers ----------------------------------------------------------------------------------------
+    def put(self, group: TrajectoryGroup) -> bool:
+        return self.queue.put(group)
+
+    def report_dropped(self, reason: str, count: int = 1) -> None:
+        """Groups a worker abandoned (for example its requests failed); they free admission budget."""
+        self.queue.received += count
+        self.queue.dropped[reason] += count
+
+    # --- driver ------------------------------------------------------------------------------------------------
+    def take_batch(self, learner_version: int) -> list[TrajectoryGroup] | None:
+        self.learner_version = learner_version
+        return self.queue.take(self.prompts_per_step, learner_version)
+
+    def publish(self, version: int, refs: list) -> None:
+        """Make `version` the newest weights. `refs` is a list so Ray passes the object refs through unresolved."""
+        self._weights = (version, refs)
+        self.learner_version = version
+
+    def report_worker_stats(self, worker_id: int, stats: dict) -> None:
+        self.worker_stats[worker_id] = stats
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def resume(self) -> None:
+        self.stopped = False
+
+    def stats(self) -> dict[str, float]:
+        q = self.queue
+        in_flight = self.admitted - q.received
+        out = {
+            "queue/depth": len(q),
+            "queue/admitted": self.admitted,
+            "queue/received": q.received,
+            "queue/trained": q.trained,
+            "queue/in_flight": in_flight,
+            "data/epoch": self.cursor.epoch,
+        }
+        out.update({f"queue/dropped_{reason}": n for reason, n in q.dropped.items()})
+        return out
+
+    def get_worker_stats(self) -> dict[int, dict]:
+        return dict(self.worker_stats)
+
+    def state_dict(self) -> dict:
+        return {
+            "cursor": self.cursor.state_dict(),
+            "queue": self.queue.state_dict(),
+            "admitted": self.admitted,
+            "learner_version": self.learner_version,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cursor.load_state_dict(state["cursor"])
+        self.queue.load_state_dict(state["queue"])
+        self.admitted = state["admitted"]
+        self.learner_version = state["learner_version"]

@@ -1,0 +1,71 @@
+"""The replay queue: scored groups wait here between the reward workers and the learner.
+
+It is plain Python (no Ray) so tests and the simulator drive it directly; `actors/controller.py` hosts it in a
+Ray actor. It keeps groups whole, enforces staleness in policy versions, drops zero-signal groups when asked,
+and counts every group it receives as exactly one of: waiting, trained, or dropped with a reason.
+"""
+
+from collections import Counter, deque
+
+from protocols.trajectory import TrajectoryGroup
+
+
+def group_has_signal(rewards: list[float]) -> bool:
+    """A group whose rewards are all equal gives every sample zero advantage: it carries no learning signal."""
+    return max(rewards) != min(rewards)
+
+
+class ReplayQueue:
+    """FIFO of whole groups, stamped with the oldest policy version that produced any of their tokens."""
+
+    def __init__(self, max_staleness: int, drop_zero_variance: bool) -> None:
+        self.max_staleness = max_staleness
+        self.drop_zero_variance = drop_zero_variance
+        self._groups: deque[TrajectoryGroup] = deque()
+        self.received = 0
+        self.trained = 0
+        self.dropped: Counter[str] = Counter()
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def put(self, group: TrajectoryGroup) -> bool:
+        """Add a scored group. Returns False when it was dropped (and counted) instead of queued."""
+        self.received += 1
+        if self.drop_zero_variance and not group_has_signal(group.rewards):
+            self.dropped["zero_variance"] += 1
+            return False
+        self._groups.append(group)
+        return True
+
+    def drop_stale(self, learner_version: int) -> int:
+        """Drop groups whose oldest token is more than max_staleness versions behind the learner."""
+        oldest_allowed = learner_version - self.max_staleness
+        kept = deque(g for g in self._groups if g.min_version >= oldest_allowed)
+        dropped = len(self._groups) - len(kept)
+        self._groups = kept
+        self.dropped["stale"] += dropped
+        return dropped
+
+    def take(self, num_groups: int, learner_version: int) -> list[TrajectoryGroup] | None:
+        """The next `num_groups` fresh-enough groups, or None (nothing removed) while fewer are waiting."""
+        self.drop_stale(learner_version)
+        if len(self._groups) < num_groups:
+            return None
+        batch = [self._groups.popleft() for _ in range(num_groups)]
+        self.trained += num_groups
+        return batch
+
+    def state_dict(self) -> dict:
+        return {
+            "groups": [g.model_dump(mode="json") for g in self._groups],
+            "received": self.received,
+            "trained": self.trained,
+            "dropped": dict(self.dropped),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self._groups = deque(TrajectoryGroup.model_validate(g) for g in state["groups"])
+        self.received = state["received"]
+        self.trained = state["trained"]
+        self.dropped = Counter(state["dropped"])

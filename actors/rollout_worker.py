@@ -1,0 +1,250 @@
+"""The rollout worker: one vLLM engine that streams sampled groups, with behavior log-probs, to the reward workers.
+
+It drives the engine one decode step at a time, so between two steps it can load newer weights (a safe point):
+every response token is stamped with the policy version that sampled it, which keeps the importance
+correction exact under partial rollouts. Scored groups go to the controller's replay queue.
+"""
+
+import logging
+import os
+import time
+
+import ray
+
+from learner.weight_transport import unpack_state_dict
+from protocols.config import RunConfig
+from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup
+
+log = logging.getLogger(__name__)
+
+
+def configure_vllm_env(cfg: RunConfig) -> None:
+    """Environment vLLM reads at import: an in-process engine (it lives inside this actor) and, on CPU, the KV
+    cache size, since vLLM otherwise reserves most of host RAM."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.rollout.cpu_kvcache_gib))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+class _GroupInFlight:
+    def __init__(self, group_id: str, prompt: Prompt, size: int) -> None:
+        self.group_id = group_id
+        self.prompt = prompt
+        self.trajectories: list[Trajectory | None] = [None] * size
+        self.token_versions: list[list[int]] = [[] for _ in range(size)]
+
+    @property
+    def done(self) -> bool:
+        return all(t is not None for t in self.trajectories)
+
+
+class RolloutWorker:
+    def __init__(self, cfg: RunConfig, worker_id: int, model_path: str, controller=None,
+                 reward_workers: list | None = None) -> None:
+        configure_vllm_env(cfg)
+        from vllm import LLM
+
+        self.cfg = cfg
+        self.worker_id = worker_id
+        self.controller = controller
+        self.reward_workers = reward_workers or []
+        self.version = 0
+        max_len = cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens
+        try:
+            self.llm = LLM(
+                model=model_path,
+                dtype=cfg.model.dtype,
+                seed=cfg.train.seed + 1000 * worker_id,
+                gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+                tensor_parallel_size=cfg.rollout.tensor_parallel_size,
+                max_model_len=max_len,
+                max_num_seqs=cfg.rollout.max_num_seqs,
+                enforce_eager=cfg.rollout.enforce_eager,
+                # KV computed under old weights must not be reused for new requests after a weight update.
+                enable_prefix_caching=False,
+                # Behavior log-probs of the distribution actually sampled (after temperature), as the ratio needs.
+                logprobs_mode="processed_logprobs",
+                trust_remote_code=cfg.model.trust_remote_code,
+            )
+        except (OSError, ValueError, RuntimeError) as err:
+            raise RuntimeError(
+                f"vLLM failed to start rollout worker {worker_id} on model.path={model_path!r}: {err}\n"
+                "If the path is wrong, fix model.path. If it ran out of memory, lower "
+                f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} or "
+                f"rollout.cpu_kvcache_gib={cfg.rollout.cpu_kvcache_gib}, or shorten data.max_prompt_tokens + "
+                f"rollout.max_response_tokens={max_len}."
+            ) from err
+        self.engine = self.llm.llm_engine
+        self.tokenizer = self.llm.get_tokenizer()
+        self._reward_rr = 0
+        self.versions_seen: list[int] = [0]
+        self.sync_seconds = 0.0
+
+    # --- weights -----------------------------------------------------------------------------------------------
+    def load_weights(self, version: int, refs: list) -> float:
+        """Load published weights in place (no engine restart). Returns seconds spent."""
+        if version <= self.version:
+            raise ValueError(f"worker {self.worker_id}: weight version {version} is not newer than {self.version}")
+        start = time.perf_counter()
+        packed = ray.get(refs[0])
+        weights = unpack_state_dict(packed)
+
+        def _reload(worker, items):
+            from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+            runner = worker.model_runner
+            reload_weights(runner.vllm_config, runner.model, iter(items), None, True)
+
+        self.llm.collective_rpc(_reload, args=(weights,))
+        self.version = version
+        self.versions_seen.append(version)
+        seconds = time.perf_counter() - start
+        self.sync_seconds += seconds
+        return seconds
+
+    def _newer_weights(self):
+        return ray.get(self.controller.latest_weights.remote(self.version))
+
+    # --- the streaming loop ------------------------------------------------------------------------------------
+    def _sampling_params(self, group_id: str, index: int):
+        from vllm import SamplingParams
+
+        r = self.cfg.rollout
+        return SamplingParams(
+            n=1, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_response_tokens, logprobs=0,
+            seed=(hash((self.cfg.train.seed, group_id, index)) & 0x7FFFFFFF),
+        )
+
+    def _start_group(self, group_id: str, prompt: Prompt, active: dict, requests: dict) -> None:
+        size = self.cfg.rollout.samples_per_prompt
+        active[group_id] = _GroupInFlight(group_id, prompt, size)
+        for i in range(size):
+            request_id = f"{group_id}/{i}"
+            requests[request_id] = (group_id, i, 0)
+            self.engine.add_request(request_id, {"prompt_token_ids": prompt.prompt_token_ids},
+                                    self._sampling_params(group_id, i))
+
+    def _on_output(self, out, active: dict, requests: dict) -> TrajectoryGroup | None:
+        group_id, index, seen = requests[out.request_id]
+        group = active[group_id]
+        completion = out.outputs[0]
+        new_tokens = len(completion.token_ids) - seen
+        group.token_versions[index].extend([self.version] * new_tokens)
+        requests[out.request_id] = (group_id, index, len(completion.token_ids))
+        if not out.finished:
+            return None
+        del requests[out.request_id]
+        behavior = [next(iter(d.values())).logprob for d in completion.logprobs]
+        group.trajectories[index] = Trajectory(
+            group_id=group_id, sample_index=index, prompt=group.prompt,
+            response_token_ids=list(completion.token_ids), behavior_logprobs=behavior,
+            token_versions=group.token_versions[index], response_text=completion.text,
+            finish_reason="length" if completion.finish_reason == "length" else "stop",
+            worker_id=self.worker_id,
+        )
+        if not group.done:
+            return None
+        del active[group_id]
+        return TrajectoryGroup(group_id=group_id, trajectories=group.trajectories)
+
+    def _send_to_reward(self, group: TrajectoryGroup, pending: list) -> None:
+        worker = self.reward_workers[self._reward_rr % len(self.reward_workers)]
+        self._reward_rr += 1
+        pending.append(worker.score_group.remote(group))
+
+    def _forward_scored(self, pending: list, block: bool = False) -> None:
+        """Hand scored groups to the queue as object refs, so the data goes reward worker -> controller directly."""
+        if not pending:
+            return
+        ready, rest = ray.wait(pending, num_returns=len(pending), timeout=None if block else 0)
+        pending[:] = rest
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as err:
+                log.warning("reward worker failed on a group: %s", err)
+                self.controller.report_dropped.remote("reward_failed")
+                continue
+            self.controller.put.remote(ref)
+
+    def run(self) -> dict:
+        """Generate until the controller says stop. Returns this worker's counters."""
+        cfg = self.cfg
+        partial = cfg.train.partial_rollouts and cfg.train.max_staleness > 0
+        active: dict[str, _GroupInFlight] = {}
+        requests: dict[str, tuple[str, int, int]] = {}
+        pending_rewards: list = []
+        stats = {"generate_s": 0.0, "idle_s": 0.0, "tokens": 0, "groups": 0, "steps": 0}
+        start = last_report = time.perf_counter()
+        stop = False
+        newer = None
+        while True:
+            if stats["steps"] % cfg.rollout.weight_sync_interval_steps == 0 or not active:
+                newer = newer or self._newer_weights()
+            if newer and (partial or not active):
+                self.load_weights(*newer)
+                newer = None
+            free = cfg.rollout.prompts_in_flight - len(active)
+            if not stop and free > 0 and newer is None:
+                stop, granted = ray.get(self.controller.acquire.remote(self.worker_id, self.version, free))
+                for group_id, prompt in granted:
+                    self._start_group(group_id, prompt, active, requests)
+            if stop:
+                break
+            if self.engine.has_unfinished_requests():
+                t0 = time.perf_counter()
+                outputs = self.engine.step()
+                stats["generate_s"] += time.perf_counter() - t0
+                for out in outputs:
+                    group = self._on_output(out, active, requests)
+                    if group is not None:
+                        stats["groups"] += 1
+                        stats["tokens"] += sum(len(t.response_token_ids) for t in group.trajectories)
+                        self._send_to_reward(group, pending_rewards)
+            else:
+                t0 = time.perf_counter()
+                time.sleep(0.003)
+                stats["idle_s"] += time.perf_counter() - t0
+            stats["steps"] += 1
+            self._forward_scored(pending_rewards)
+            if time.perf_counter() - last_report > 1.0:
+                last_report = time.perf_counter()
+                self.controller.report_worker_stats.remote(self.worker_id, self._report(stats, start))
+        if requests:
+            self.engine.abort_request(list(requests))
+            self.controller.report_dropped.remote("aborted_at_stop", len(active))
+        self._forward_scored(pending_rewards, block=True)
+        report = self._report(stats, start)
+        self.controller.report_worker_stats.remote(self.worker_id, report)
+        return report
+
+    def _report(self, stats: dict, start: float) -> dict:
+        wall = time.perf_counter() - start
+        return {**stats, "wall_s": wall, "sync_s": self.sync_seconds, "version": self.version,
+                "versions_seen": list(self.versions_seen)}
+
+    # --- evaluation and checks -----------------------------------------------------------------------------------
+    def generate_greedy(self, prompts: list[Prompt]) -> list[str]:
+        """Greedy responses for held-out evaluation (not while `run` is going)."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=self.cfg.rollout.max_response_tokens)
+        outs = self.llm.generate([{"prompt_token_ids": p.prompt_token_ids} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].text for o in outs]
+
+    def sequence_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
+        """log p(response token) under the engine's current weights at temperature 1 (prompt log-probs are
+        computed from raw logits), for checking that a weight sync is exact."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=0)
+        inputs = [{"prompt_token_ids": p + r} for p, r in zip(prompt_ids, response_ids)]
+        outs = self.llm.generate(inputs, params, use_tqdm=False)
+        result = []
+        for out, p, r in zip(outs, prompt_ids, response_ids):
+            lps = out.prompt_logprobs[len(p):len(p) + len(r)]
+            result.append([lp[tok].logprob for lp, tok in zip(lps, r)])
+        return result
+
+    def get_version(self) -> int:
+        return self.version

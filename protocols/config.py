@@ -1,0 +1,242 @@
+"""The run config: one YAML file, validated here before any actor starts, overridable from the command line.
+
+Sections mirror the actor groups: rollout, reward, learner, plus the algorithm, the data and the cluster.
+`load_config` reads YAML, applies `a.b.c=value` overrides and reports unknown keys with the allowed ones.
+"""
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from protocols.algorithm import AlgorithmConfig
+from protocols.data import DataConfig
+from protocols.model import ModelConfig
+from protocols.reward import RewardConfig
+
+
+class ClusterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    address: str = ""
+    """Ray cluster to join (`auto` or `ray://host:port`). Empty starts an embedded local cluster."""
+
+    num_cpus: int = Field(0, ge=0)
+    """Logical CPUs of the embedded cluster; 0 means the machine's count. Actors take fractions of them."""
+
+    dashboard_host: str = "127.0.0.1"
+    """Where the Ray dashboard binds when `include_dashboard` is set; keep it on loopback unless you need it."""
+
+    include_dashboard: bool = False
+    """Start Ray's dashboard with the embedded cluster (costs memory and start time)."""
+
+    use_gpus: bool = False
+    """Place vLLM engines and learner ranks on GPUs (placement groups). False runs everything on CPU."""
+
+
+class RolloutConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    num_workers: int = Field(1, ge=1)
+    """Rollout workers, each owning one vLLM engine. Raise it to generate faster; the learner is unchanged."""
+
+    samples_per_prompt: int = Field(8, ge=2)
+    """Group size G. Group baselines need at least two samples; 8 to 16 is common for GRPO."""
+
+    max_response_tokens: int = Field(16, ge=1)
+    """Responses stop here and are marked truncated (finish_reason `length`)."""
+
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature. The importance ratio assumes the learner scores with the same temperature."""
+
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling. Values below 1 make behavior log-probs differ from the learner's full-softmax ones."""
+
+    tensor_parallel_size: int = Field(1, ge=1)
+    """GPUs per vLLM engine (tensor parallel). Ignored on CPU."""
+
+    gpu_memory_utilization: float = Field(0.1, gt=0, le=0.99)
+    """Share of device memory vLLM reserves. On CPU it reserves host RAM: keep it small (0.1)."""
+
+    cpu_kvcache_gib: int = Field(1, ge=1)
+    """KV cache size on CPU in GiB (VLLM_CPU_KVCACHE_SPACE)."""
+
+    max_num_seqs: int = Field(256, ge=1)
+    """Sequences one engine decodes at once."""
+
+    prompts_in_flight: int = Field(16, ge=1)
+    """Prompts (groups) a worker keeps in its engine at once; more keeps the engine fuller."""
+
+    weight_sync_interval_steps: int = Field(1, ge=1)
+    """Engine decode steps between checks for new weights. 1 loads a new version at the next safe point."""
+
+    enforce_eager: bool = True
+    """Skip CUDA graph capture / compilation (faster start; slower decode on GPUs)."""
+
+
+class LearnerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    num_ranks: int = Field(1, ge=1)
+    """Data-parallel DeepSpeed ranks (one Ray actor each)."""
+
+    zero_stage: Literal[2, 3] = 2
+    """DeepSpeed ZeRO stage: 2 shards optimizer state and gradients, 3 also the parameters."""
+
+    prompts_per_step: int = Field(16, ge=1)
+    """Groups (prompts) in one global batch; the batch holds prompts_per_step * samples_per_prompt samples."""
+
+    micro_batch_size: int = Field(64, ge=1)
+    """Samples per forward/backward on one rank; gradients accumulate over micro-batches."""
+
+    lr: float = Field(5e-5, gt=0)
+    """AdamW learning rate."""
+
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Global gradient norm clip."""
+
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory on long responses."""
+
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend: auto is nccl with GPUs, gloo on CPU."""
+
+
+class TrainConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    steps: int = Field(300, ge=1)
+    """Learner optimizer steps (policy versions) to run."""
+
+    max_staleness: int = Field(0, ge=0)
+    """Max policy versions between a sample's oldest token and the learner: 0 is on-policy (synchronous)."""
+
+    partial_rollouts: bool = True
+    """With max_staleness > 0, in-flight requests continue under new weights instead of finishing on old ones."""
+
+    eval_every: int = Field(0, ge=0)
+    """Evaluate held-out accuracy every N steps (0: only before and after training)."""
+
+    save_every: int = Field(0, ge=0)
+    """Write a checkpoint every N steps (0: only the final model)."""
+
+    seed: int = 0
+    """Seeds data order, sampling and initialization."""
+
+    log_every: int = Field(1, ge=1)
+    """Write metrics every N steps."""
+
+
+class RunConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    output_dir: str = "runs/demo"
+    """Run folder: config.yaml, metrics.jsonl, TensorBoard events, checkpoints, final_model/, summary.json."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+
+    @model_validator(mode="after")
+    def _check_batch_split(self) -> "RunConfig":
+        samples = self.learner.prompts_per_step * self.rollout.samples_per_prompt
+        if samples % self.learner.num_ranks:
+            raise ValueError(
+                f"learner.prompts_per_step * rollout.samples_per_prompt = {samples} samples do not split evenly "
+                f"over learner.num_ranks={self.learner.num_ranks}; choose prompts_per_step so the product is a "
+                f"multiple of num_ranks"
+            )
+        if self.data.max_prompt_tokens + self.rollout.max_response_tokens > 1_000_000:
+            raise ValueError("data.max_prompt_tokens + rollout.max_response_tokens exceeds 1M tokens")
+        return self
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.learner.prompts_per_step * self.rollout.samples_per_prompt
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    node = tree
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"override {dotted}: {part} is not a section")
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+    """`learner.lr=1e-4` -> ("learner.lr", 0.0001). Values are parsed as YAML, so lists and bools work."""
+    parsed = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {item!r} must look like section.key=value, e.g. learner.lr=1e-4")
+        value = yaml.safe_load(raw)
+        if isinstance(value, str):
+            # YAML 1.1 reads `1e-4` as a string; users mean a number.
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        parsed.append((key.strip(), value))
+    return parsed
+
+
+def _format_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            model = _model_at(RunConfig, [p for p in e["loc"][:-1] if isinstance(p, str)])
+            allowed = sorted(model.model_fields) if model else []
+            lines.append(f"unknown config key `{where}`; allowed keys here: {', '.join(allowed)}")
+        else:
+            lines.append(f"`{where}`: {e['msg']} (got {e.get('input')!r})")
+    return "invalid run config:\n  " + "\n  ".join(lines)
+
+
+def _model_at(model: type[BaseModel], path: list[str]) -> type[BaseModel] | None:
+    for part in path:
+        field = model.model_fields.get(part)
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return model
+
+
+class ConfigError(ValueError):
+    """A config that fails validation; the message names every bad key and what is allowed."""
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read YAML (or start from defaults), apply overrides, validate. Raises ConfigError before any actor starts."""
+    tree: dict[str, Any] = {}
+    if path:
+        text = Path(path).read_text()
+        tree = yaml.safe_load(text) or {}
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(tree).__name__}")
+    for key, value in parse_overrides(overrides or []):
+        _set_dotted(tree, key, value)
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

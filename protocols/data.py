@@ -1,0 +1,51 @@
+"""Where prompts come from and how they are turned into token ids (see rewards/datasets.py)."""
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class DataConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format: Literal["arithmetic", "gsm8k", "math", "jsonl", "parquet"] = "arithmetic"
+    """`arithmetic` is the built-in synthetic demo task; `gsm8k` and `math` read those datasets' own fields;
+    `jsonl` and `parquet` read any file through the field mapping below."""
+
+    train_path: str = ""
+    """Training prompts file (JSONL or Parquet). Unused for `arithmetic`, which generates its prompts."""
+
+    test_path: str = ""
+    """Held-out prompts file for evaluation. Unused for `arithmetic`."""
+
+    prompt_field: str = "question"
+    """Row field holding the prompt text (for `jsonl`/`parquet`)."""
+
+    answer_field: str = "answer"
+    """Row field holding the gold answer."""
+
+    tests_field: str = ""
+    """Row field holding code test cases (a list of dicts, or that list as a JSON string); empty for
+    answer-matching tasks. See rewards/README.md for the test-case keys."""
+
+    prompt_template: str = "{prompt}"
+    """Text sent as the user message; `{prompt}` is replaced by the row's prompt. Use it to ask for an answer
+    format, e.g. `"{prompt}\nPut the final answer after ####."` (pair with reward.shaping.format_regex)."""
+
+    system_prompt: str = ""
+    """Optional system message placed before the prompt by the chat template."""
+
+    use_chat_template: bool = True
+    """Apply the tokenizer's chat template when it has one. The demo tokenizer has none and uses raw text."""
+
+    max_prompt_tokens: int = Field(256, ge=1)
+    """Prompts longer than this are skipped and counted in `data/skipped_too_long`, never truncated."""
+
+    num_eval_prompts: int = Field(200, ge=1)
+    """Held-out prompts scored (greedy) before and after training."""
+
+    arithmetic_max_operand: int = Field(99, ge=1, le=9999)
+    """Demo task: operands are drawn from [0, this]."""
+
+    arithmetic_num_train: int = Field(5000, ge=1)
+    """Demo task: distinct training problems generated (held-out problems never overlap them)."""

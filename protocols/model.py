@@ -1,0 +1,71 @@
+"""Which policy model a run trains: a Hugging Face folder, or the tiny built-in demo model.
+
+`ModelConfig.path` empty means "build the demo model" (cluster/demo_model.py builds it once, warm-starts it on
+the arithmetic task and caches it); any other value is a local Hugging Face folder loaded as is.
+"""
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class DemoModelConfig(BaseModel):
+    """A Qwen2-architecture model small enough to train in minutes on 2 CPU cores, for the arithmetic task."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    hidden_size: int = Field(128, ge=8, le=4096)
+    """Width of the residual stream. 128 learns two-digit addition; must equal num_heads * head_dim."""
+
+    num_layers: int = Field(2, ge=1, le=48)
+    """Transformer blocks. 2 is enough for the demo; more layers learn slower per second on a CPU."""
+
+    num_heads: int = Field(2, ge=1, le=64)
+    """Query heads per layer. Must be a multiple of num_kv_heads."""
+
+    num_kv_heads: int = Field(1, ge=1, le=64)
+    """Key/value heads per layer (grouped-query attention, as in Qwen2). 1 keeps the KV cache smallest."""
+
+    head_dim: int = Field(64, ge=32, le=256)
+    """Channels per attention head. vLLM's CPU attention rejects 16; 32 or more is needed, 64 is tested."""
+
+    intermediate_size: int = Field(256, ge=8, le=16384)
+    """Hidden width of each MLP block (SwiGLU). 2x hidden_size gives about 0.3M parameters in total."""
+
+    max_position_embeddings: int = Field(64, ge=16, le=4096)
+    """Longest sequence (prompt + response) in tokens. The rollout engine's max_model_len cannot exceed it;
+    an addition prompt of two 4-digit operands plus its answer fits in 17."""
+
+    tied: bool = False
+    """Share the input embedding and the output head (`tie_word_embeddings`), as Qwen2.5-0.5B does. Turn on
+    to exercise weight sync of tied models; the demo learns either way."""
+
+    warm_start_steps: int = Field(450, ge=0, le=100_000)
+    """Supervised steps on training problems before RL, so GRPO starts from a partly able model (about 40-55%
+    greedy held-out accuracy with the defaults). 0 gives a random model that RL alone cannot lift."""
+
+    warm_start_lr: float = Field(1e-3, gt=0.0, le=1.0)
+    """AdamW learning rate of the warm start. 3e-3 was seen not to learn at all at this size."""
+
+    warm_start_batch: int = Field(64, ge=1, le=65_536)
+    """Problems per warm-start step."""
+
+    seed: int = Field(0, ge=0)
+    """Seeds the random init and the warm-start batches; a different seed builds (and caches) another model."""
+
+
+class ModelConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = ""
+    """Local Hugging Face folder of the policy (weights, config and tokenizer). Empty: build the demo model
+    described by `demo` (cached under $RELAYRL_CACHE_DIR, default ~/.cache/relayrl/demo_models)."""
+
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weight dtype in the rollout engine and the learner. float32 on CPU; bfloat16 on GPUs."""
+
+    demo: DemoModelConfig = Field(default_factory=DemoModelConfig)
+    """Settings of the built-in demo model; ignored when `path` is set."""
+
+    trust_remote_code: bool = False
+    """Let transformers and vLLM run model code shipped inside the folder. Only for folders you trust."""

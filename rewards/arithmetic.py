@@ -1,0 +1,120 @@
+"""The built-in demo task: addition `a+b=` whose gold answer is `str(a+b)`, scored by exact match.
+
+Problems are generated, never read from disk: each (a, b) pair belongs to the train or the test split by a fixed
+hash, so the splits never overlap whatever the counts or the seed. The data loader turns them into `Prompt`s.
+"""
+
+import random
+from typing import Any, Literal
+
+from protocols.data import DataConfig
+from protocols.trajectory import Prompt, VerifierResult
+from rewards.registry import register_verifier
+
+Split = Literal["train", "test"]
+
+TEST_FRACTION_PER_MILLE = 100
+"""One pair in ten is held out. Fixed, so a warm-started model never saw any test pair."""
+
+_SPLIT_SALT = 0x5EED_A11D
+_ENUMERATE_LIMIT = 1_000_000
+"""Operand spaces up to this many pairs are enumerated exactly; larger ones are sampled."""
+
+
+def _mix64(x: int) -> int:
+    # splitmix64 finalizer: a cheap, well-spread, platform-independent hash (Python's hash() is salted per process).
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+def pair_split(a: int, b: int) -> Split:
+    """The split a pair belongs to: depends on the pair only (not on the seed or on any count)."""
+    key = _mix64(((a & 0xFFFFFFFF) << 32 | (b & 0xFFFFFFFF)) ^ _SPLIT_SALT)
+    return "test" if key % 1000 < TEST_FRACTION_PER_MILLE else "train"
+
+
+def arithmetic_problems(max_operand: int, split: Split, count: int, seed: int = 0) -> list[tuple[int, int]]:
+    """`count` distinct (a, b) pairs of `split`, operands in [0, max_operand], in a seeded order.
+
+    The order (and, for large operand spaces, which pairs are drawn) depends on `seed`; split membership does not.
+    """
+    space = (max_operand + 1) ** 2
+    expected_pool = space * (TEST_FRACTION_PER_MILLE if split == "test" else 1000 - TEST_FRACTION_PER_MILLE) // 1000
+    setting = "data.num_eval_prompts" if split == "test" else "data.arithmetic_num_train"
+    if space <= _ENUMERATE_LIMIT:
+        pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1) if pair_split(a, b) == split]
+        if count > len(pairs):
+            raise ValueError(
+                f"{setting}={count} asks for more {split} problems than exist with "
+                f"data.arithmetic_max_operand={max_operand}: the {split} split has {len(pairs)} pairs. "
+                f"Lower {setting} to at most {len(pairs)} or raise data.arithmetic_max_operand."
+            )
+        pairs.sort(key=lambda p: _mix64((p[0] * (max_operand + 1) + p[1]) ^ _mix64(seed)))
+        return pairs[:count]
+    if count > expected_pool // 2:
+        # Rejection sampling of distinct pairs slows down sharply past half the pool.
+        raise ValueError(
+            f"{setting}={count} is more than half of the about {expected_pool} {split} pairs with "
+            f"data.arithmetic_max_operand={max_operand}; lower {setting} or raise the operand range."
+        )
+    rng = random.Random(f"arithmetic/{split}/{seed}")
+    chosen: dict[tuple[int, int], None] = {}
+    while len(chosen) < count:
+        pair = (rng.randint(0, max_operand), rng.randint(0, max_operand))
+        if pair_split(*pair) == split:
+            chosen[pair] = None
+    return list(chosen)
+
+
+def problem_text(a: int, b: int) -> str:
+    return f"{a}+{b}="
+
+
+def _encode_prompt(text: str, cfg: DataConfig, tokenizer: Any) -> list[int]:
+    # The demo tokenizer has no chat template: its post-processor adds BOS, which is what the model was trained on.
+    if cfg.use_chat_template and getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+        messages.append({"role": "user", "content": text})
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+    return list(tokenizer(text)["input_ids"])
+
+
+def load_arithmetic_prompts(
+    cfg: DataConfig, split: Split, tokenizer: Any, seed: int = 0
+) -> tuple[list[Prompt], dict[str, int]]:
+    """Prompts of one split (`arithmetic_num_train` for train, `num_eval_prompts` for test) and loader counts.
+
+    Prompts longer than `cfg.max_prompt_tokens` are skipped, never truncated, and counted.
+    """
+    count = cfg.arithmetic_num_train if split == "train" else cfg.num_eval_prompts
+    prompts: list[Prompt] = []
+    skipped = 0
+    for i, (a, b) in enumerate(arithmetic_problems(cfg.arithmetic_max_operand, split, count, seed)):
+        text = problem_text(a, b)
+        ids = _encode_prompt(text, cfg, tokenizer)
+        if len(ids) > cfg.max_prompt_tokens:
+            skipped += 1
+            continue
+        prompts.append(
+            Prompt(
+                prompt_id=f"arithmetic/{split}/{i}",
+                prompt_token_ids=ids,
+                prompt_text=text,
+                answer=str(a + b),
+                verifier="arithmetic",
+            )
+        )
+    return prompts, {"data/skipped_too_long": skipped}
+
+
+@register_verifier("arithmetic")
+def verify_arithmetic(prompt: Prompt, response_text: str) -> VerifierResult:
+    """Reward 1 when the response, stripped of surrounding whitespace, is exactly the gold number; else 0."""
+    extracted = response_text.strip()
+    correct = extracted == prompt.answer.strip()
+    return VerifierResult(reward=1.0 if correct else 0.0, correct=correct, info={"extracted": extracted})

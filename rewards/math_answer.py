@@ -1,0 +1,80 @@
+"""LaTeX math verifier: the last `\\boxed{...}` of the response, compared with the gold answer by
+`math-verify` (symbolic and numeric equality of fractions, radicals, pi, intervals, sets, tuples,
+percentages, degrees, `\\text{}` answers and equations such as `x = 3`).
+"""
+
+from math_verify import parse, verify
+
+from protocols.trajectory import Prompt, VerifierResult
+from rewards.registry import register_verifier
+
+# Parsing an adversarial expression (`9^{9^{9^9}}`) can run for ever; longer answers than this are refused
+# before sympy sees them, and the scorer's per-sample timeout covers the rest.
+MAX_ANSWER_CHARS = 400
+_BOX_COMMANDS = ("\\boxed", "\\fbox")
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` (nested braces balanced), or of `\\boxed 5`; None when absent."""
+    start = max(text.rfind(cmd) for cmd in _BOX_COMMANDS)
+    if start < 0:
+        return None
+    i = text.index("\\", start) + 1
+    while i < len(text) and text[i].isalpha():
+        i += 1
+    while i < len(text) and text[i] == " ":
+        i += 1
+    if i >= len(text):
+        return None
+    if text[i] != "{":
+        # `\boxed 5`: the argument runs to the next whitespace or `$`.
+        end = i
+        while end < len(text) and not text[end].isspace() and text[end] != "$":
+            end += 1
+        return text[i:end] or None
+    depth = 0
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1 : j]
+    return None
+
+
+def gold_answer(answer: str) -> str:
+    """A MATH `solution` holds the answer in its last `\\boxed{}`; a bare answer is used as is."""
+    boxed = last_boxed(answer)
+    return boxed if boxed is not None else answer.strip()
+
+
+def _parse(latex: str) -> list:
+    # Timeouts inside math-verify use SIGALRM, which clashes with the scorer's own and fails outside the main
+    # thread; the scorer enforces the limit instead.
+    return parse(f"${latex}$", parsing_timeout=None)
+
+
+def is_equivalent(gold: str, candidate: str) -> bool:
+    """True when the two LaTeX answers denote the same value (gold first: math-verify is not symmetric)."""
+    gold_parsed = _parse(gold)
+    candidate_parsed = _parse(candidate)
+    if not gold_parsed or not candidate_parsed:
+        return gold.strip() == candidate.strip()
+    return bool(verify(gold_parsed, candidate_parsed, timeout_seconds=None))
+
+
+@register_verifier("math")
+def verify_math(prompt: Prompt, response: str) -> VerifierResult:
+    gold = gold_answer(prompt.answer)
+    extracted = last_boxed(response)
+    info: dict = {"extracted": extracted, "gold": gold}
+    if extracted is None:
+        info["reason"] = "no_boxed"
+        return VerifierResult(reward=0.0, correct=False, info=info)
+    if len(extracted) > MAX_ANSWER_CHARS:
+        info["reason"] = "answer_too_long"
+        info["extracted"] = extracted[:MAX_ANSWER_CHARS] + "..."
+        return VerifierResult(reward=0.0, correct=False, info=info)
+    correct = is_equivalent(gold, extracted)
+    return VerifierResult(reward=1.0 if correct else 0.0, correct=correct, info=info)

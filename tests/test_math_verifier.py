@@ -1,0 +1,76 @@
+"""LaTeX math verifier: \\boxed extraction and equivalence by kind, each with a positive and a negative case."""
+
+import pytest
+
+from protocols.trajectory import Prompt
+from rewards.math_answer import gold_answer, is_equivalent, last_boxed, verify_math
+
+
+def test_last_boxed_balances_nested_braces():
+    assert last_boxed(r"first \boxed{1}, then \boxed{\frac{\sqrt{3}}{2}} done") == r"\frac{\sqrt{3}}{2}"
+
+
+def test_unclosed_or_missing_boxed_is_none():
+    assert last_boxed(r"\boxed{\frac{1}{2}") is None
+    assert last_boxed("the answer is 3") is None
+
+
+def test_gold_from_math_solution_is_its_last_boxed():
+    assert gold_answer(r"So $x = \boxed{5}$.") == "5"
+    assert gold_answer(r"\frac{1}{2}") == r"\frac{1}{2}"
+
+
+@pytest.mark.parametrize(
+    ("gold", "candidate", "equal"),
+    [
+        # fractions: 1/2 = 0.5 = \dfrac12, but not 1/3
+        (r"\frac{1}{2}", "0.5", True),
+        (r"\frac{1}{2}", r"\dfrac12", True),
+        (r"\frac{1}{2}", r"\frac{1}{3}", False),
+        # radicals: sqrt(8) = 2 sqrt(2); sqrt(3)/2 = (1/2) sqrt(3); but 2 sqrt(2) != sqrt(2)
+        (r"2\sqrt{2}", r"\sqrt{8}", True),
+        (r"\frac{\sqrt{3}}{2}", r"\frac{1}{2}\sqrt{3}", True),
+        (r"2\sqrt{2}", r"\sqrt{2}", False),
+        # pi: 2 pi vs 6.283185307 (equal to 6 places), not pi
+        (r"2\pi", "6.283185307", True),
+        (r"2\pi", r"\pi", False),
+        # intervals: endpoints and brackets matter
+        (r"[1, 3)", r"[1,3)", True),
+        (r"(-\infty, 2]", r"(-\infty,2]", True),
+        (r"(1,3]", r"[1,3)", False),
+        # sets are unordered
+        (r"\{1,2,3\}", r"\{3,2,1\}", True),
+        (r"\{1,2\}", r"\{1,3\}", False),
+        # tuples are ordered
+        (r"(1,2,3)", r"(1,2,3)", True),
+        (r"(1,2,3)", r"(3,2,1)", False),
+        # percentages: 50\% is 50 (and 1/2); not 40
+        (r"50\%", "50", True),
+        (r"50\%", r"40\%", False),
+        # degrees: 30^\circ is 30, not 60
+        (r"30^\circ", "30", True),
+        (r"30^\circ", r"60^\circ", False),
+        # \text answers compare case-insensitively as words
+        (r"\text{Monday}", r"\text{monday}", True),
+        (r"\text{Monday}", r"\text{Tuesday}", False),
+        # equations: x = 3 matches 3 and x=3; not x = 4
+        ("x = 3", "3", True),
+        ("3", "x=3", True),
+        ("x = 3", "x = 4", False),
+    ],
+)
+def test_equivalence(gold, candidate, equal):
+    assert is_equivalent(gold, candidate) is equal
+
+
+def test_verify_math_scores_last_boxed_and_reports_it():
+    prompt = Prompt(prompt_id="math/test/0", prompt_token_ids=[0], answer=r"\frac{1}{2}")
+    right = verify_math(prompt, r"half: \boxed{0.5}")
+    assert (right.reward, right.correct, right.info["extracted"]) == (1.0, True, "0.5")
+    assert verify_math(prompt, r"\boxed{0.5} no wait \boxed{2}").reward == 0.0
+
+
+def test_no_boxed_and_overlong_answers_score_zero():
+    prompt = Prompt(prompt_id="math/test/0", prompt_token_ids=[0], answer="3")
+    assert verify_math(prompt, "the answer is 3").info["reason"] == "no_boxed"
+    assert verify_math(prompt, r"\boxed{" + "1+" * 500 + "1}").info["reason"] == "answer_too_long"

@@ -1,0 +1,98 @@
+"""The replay queue and the controller's admission rule, driven directly (no Ray)."""
+
+from actors.controller import PromptCursor, RolloutController
+from actors.replay_queue import ReplayQueue
+from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup
+
+
+def make_prompts(n: int) -> list[Prompt]:
+    return [Prompt(prompt_id=f"p{i}", prompt_token_ids=[1, i]) for i in range(n)]
+
+
+def make_group(group_id: str, rewards: list[float], version: int) -> TrajectoryGroup:
+    prompt = Prompt(prompt_id="p", prompt_token_ids=[1])
+    trajectories = [
+        Trajectory(group_id=group_id, sample_index=i, prompt=prompt, response_token_ids=[5, 6],
+                   behavior_logprobs=[-0.5, -0.5], token_versions=[version, version], finish_reason="stop", reward=r)
+        for i, r in enumerate(rewards)
+    ]
+    return TrajectoryGroup(group_id=group_id, trajectories=trajectories)
+
+
+def test_zero_variance_groups_are_dropped_and_counted():
+    q = ReplayQueue(max_staleness=0, drop_zero_variance=True)
+    assert q.put(make_group("a", [1, 1], 0)) is False
+    assert q.put(make_group("b", [1, 0], 0)) is True
+    assert len(q) == 1 and q.dropped["zero_variance"] == 1 and q.received == 2
+
+
+def test_take_waits_for_a_full_batch_and_keeps_groups_whole():
+    q = ReplayQueue(max_staleness=0, drop_zero_variance=False)
+    q.put(make_group("a", [1, 0], 0))
+    assert q.take(2, learner_version=0) is None
+    assert len(q) == 1  # nothing removed by a failed take
+    q.put(make_group("b", [0, 1], 0))
+    batch = q.take(2, learner_version=0)
+    assert [g.group_id for g in batch] == ["a", "b"]
+    assert all(len(g.trajectories) == 2 for g in batch)
+
+
+def test_staleness_bound_in_versions():
+    # learner at version 3 with max_staleness 1 accepts versions >= 2 only
+    q = ReplayQueue(max_staleness=1, drop_zero_variance=False)
+    for name, version in (("v1", 1), ("v2", 2), ("v3", 3)):
+        q.put(make_group(name, [1, 0], version))
+    batch = q.take(2, learner_version=3)
+    assert [g.group_id for g in batch] == ["v2", "v3"]
+    assert q.dropped["stale"] == 1
+
+
+def test_partial_rollout_group_is_as_old_as_its_oldest_token():
+    group = make_group("g", [1, 0], 4)
+    group.trajectories[1].token_versions = [3, 4]
+    assert group.min_version == 3
+
+
+def test_every_received_group_is_trained_dropped_or_waiting():
+    q = ReplayQueue(max_staleness=0, drop_zero_variance=True)
+    for i in range(7):
+        q.put(make_group(f"g{i}", [1, 0] if i % 3 else [0, 0], i % 2))
+    q.take(2, learner_version=1)
+    assert q.received == q.trained + sum(q.dropped.values()) + len(q)
+
+
+def test_admission_allows_max_staleness_plus_one_batches():
+    # prompts_per_step 2, max_staleness 1: a worker at version 0 may start (0 + 1 + 1) * 2 = 4 groups
+    c = RolloutController(make_prompts(10), prompts_per_step=2, max_staleness=1, drop_zero_variance=False, seed=0)
+    stop, granted = c.acquire(worker_id=0, worker_version=0, max_groups=10)
+    assert not stop and len(granted) == 4
+    assert c.acquire(0, 0, 10)[1] == []
+    # after one published version the worker may start 2 more
+    assert len(c.acquire(0, 1, 10)[1]) == 2
+
+
+def test_dropped_groups_free_admission_budget():
+    # at max_staleness 0 a zero-variance drop must be replaced, or the learner would wait forever
+    c = RolloutController(make_prompts(10), prompts_per_step=2, max_staleness=0, drop_zero_variance=True, seed=0)
+    assert len(c.acquire(0, 0, 10)[1]) == 2
+    c.put(make_group("g0", [0, 0], 0))
+    assert len(c.acquire(0, 0, 10)[1]) == 1
+
+
+def test_controller_state_round_trips():
+    c = RolloutController(make_prompts(5), prompts_per_step=2, max_staleness=1, drop_zero_variance=False, seed=3)
+    c.acquire(0, 0, 3)
+    c.put(make_group("g0", [1, 0], 0))
+    state = c.state_dict()
+    d = RolloutController(make_prompts(5), prompts_per_step=2, max_staleness=1, drop_zero_variance=False, seed=3)
+    d.load_state_dict(state)
+    assert d.state_dict() == state
+    assert d.cursor.next().prompt_id == c.cursor.next().prompt_id
+
+
+def test_cursor_visits_every_prompt_once_per_epoch():
+    cursor = PromptCursor(make_prompts(4), seed=1)
+    first = {cursor.next().prompt_id for _ in range(4)}
+    assert first == {"p0", "p1", "p2", "p3"} and cursor.epoch == 0
+    cursor.next()
+    assert cursor.epoch == 1

@@ -1,0 +1,41 @@
+"""The reward worker as a real Ray actor: scores a group, reports metrics, answers ping."""
+
+import pytest
+
+from protocols.reward import RewardConfig
+from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup
+
+
+def _group(prompt: Prompt, texts: list[str]) -> TrajectoryGroup:
+    return TrajectoryGroup(
+        group_id="g0",
+        trajectories=[
+            Trajectory(group_id="g0", sample_index=i, prompt=prompt, response_token_ids=[5] * 3,
+                       behavior_logprobs=[0.0] * 3, token_versions=[0] * 3, finish_reason="stop", response_text=t)
+            for i, t in enumerate(texts)
+        ],
+    )
+
+
+@pytest.mark.slow
+def test_reward_worker_actor_scores_a_group(ray_cluster):
+    ray = ray_cluster
+    from actors.reward_worker import RewardWorker
+
+    cfg = RewardConfig(verifier="math", num_processes=2, timeout_s=5.0)
+    worker = ray.remote(RewardWorker).options(num_cpus=1).remote(cfg, 3)
+    try:
+        assert ray.get(worker.ping.remote()) == 3
+        prompt = Prompt(prompt_id="math/test/0", prompt_token_ids=[0], answer=r"\frac{1}{2}")
+        # 0.5 and \dfrac12 are 1/2; 2 is not; no box at all scores 0
+        group = ray.get(worker.score_group.remote(_group(prompt, [r"\boxed{0.5}", r"\boxed{\dfrac12}", r"\boxed{2}", "1/2"])))
+        assert group.rewards == [1.0, 1.0, 0.0, 0.0]
+        assert [t.result.correct for t in group.trajectories] == [True, True, False, False]
+        assert group.trajectories[3].result.info["reason"] == "no_boxed"
+        metrics = ray.get(worker.metrics.remote())
+        assert metrics["reward/samples"] == 4
+        assert metrics["reward/error_exception"] == 0 and metrics["reward/error_timeout"] == 0
+        assert metrics["reward/mean"] == 0.5
+    finally:
+        ray.get(worker.shutdown.remote())
+        ray.kill(worker)

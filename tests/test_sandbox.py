@@ -1,0 +1,147 @@
+"""Code sandbox: correct programs pass; hostile ones (network, writes outside, fork bomb, 10 GB, sleeping for
+ever) get reward 0 within their limits and leave the host as it was."""
+
+import json
+import os
+import socket
+import threading
+import time
+
+from protocols.reward import CodeSandboxConfig
+from protocols.trajectory import Prompt
+from rewards import code_sandbox
+from rewards.code_sandbox import extract_code, run_in_sandbox, verify_code
+
+FAST = CodeSandboxConfig(run_timeout_s=2.0, cpu_time_s=2)
+ECHO_TESTS = [{"input": "21\n", "output": "42\n"}, {"input": "5\n", "output": "10"}]
+
+
+def _respond(code: str) -> str:
+    return f"Here it is:\n```python\n{code}\n```\n"
+
+
+def _score(code: str, tests=ECHO_TESTS, cfg: CodeSandboxConfig = FAST, budget_s: float = 30.0):
+    code_sandbox.configure(cfg, sample_timeout_s=budget_s)
+    prompt = Prompt(prompt_id="code/test/0", prompt_token_ids=[0], tests=tests)
+    return verify_code(prompt, _respond(code))
+
+
+def _host_process_count() -> int:
+    return sum(1 for name in os.listdir("/proc") if name.isdigit())
+
+
+def test_extract_code_takes_last_python_block():
+    assert extract_code("```python\na = 1\n```\ntext\n```py\nb = 2\n```") == "b = 2\n"
+    assert extract_code("no code here") is None
+
+
+def test_stdio_program_passes_all_tests():
+    # 21 -> 42 and 5 -> 10: both pass, reward 2/2
+    result = _score("print(int(input()) * 2)")
+    assert (result.reward, result.correct, result.info["tests_passed"]) == (1.0, True, 2)
+
+
+def test_fraction_and_all_or_nothing_modes():
+    # doubles only 21 correctly (prints 42 for every input): 1 of 2 tests -> 0.5, all-or-nothing -> 0
+    assert _score("input(); print(42)").reward == 0.5
+    strict = FAST.model_copy(update={"reward_mode": "all_or_nothing"})
+    assert _score("input(); print(42)", cfg=strict).reward == 0.0
+
+
+def test_function_call_tests_and_solution_class():
+    tests = [{"fn_name": "add", "args": [1, 2], "output": 3}, {"fn_name": "add", "args": [0.1, 0.2], "output": 0.3}]
+    assert _score("def add(a, b):\n    return a + b", tests).reward == 1.0
+    leetcode = "class Solution:\n    def add(self, a, b):\n        return a + b"
+    assert _score(leetcode, tests).reward == 1.0
+    assert _score("def add(a, b):\n    return a - b", tests).reward == 0.0
+
+
+def test_no_code_block_scores_zero():
+    prompt = Prompt(prompt_id="code/test/0", prompt_token_ids=[0], tests=ECHO_TESTS)
+    assert verify_code(prompt, "I would use a loop").info["reason"] == "no_code_block"
+
+
+def test_socket_cannot_reach_the_host():
+    # A server on the host's loopback: the sandbox has its own network namespace, so the connection fails.
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    server.settimeout(3)
+    port = server.getsockname()[1]
+    accepted = []
+    thread = threading.Thread(target=lambda: accepted.append(_accept(server)))
+    thread.start()
+    code = f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\nprint(int(input()) * 2)"
+    result = _score(code)
+    thread.join()
+    server.close()
+    assert result.reward == 0.0
+    assert result.info["outcomes"] == ["runtime_error", "runtime_error"]
+    assert accepted == [None]
+
+
+def _accept(server: socket.socket):
+    try:
+        return server.accept()
+    except TimeoutError:
+        return None
+
+
+def test_writes_outside_the_sandbox_do_not_reach_the_host(tmp_path):
+    # tmp_path is world-writable here, yet the program sees a fresh empty /tmp and an empty /work.
+    tmp_path.chmod(0o777)
+    outside = [tmp_path / "escaped", "/work/escaped_by_sandbox", "/var/tmp/escaped_by_sandbox"]
+    code = "".join(f"open({str(p)!r}, 'w').write('x')\n" for p in outside) + "print(int(input()) * 2)"
+    assert _score(code).reward == 0.0
+    for path in outside:
+        assert not os.path.exists(path)
+    # Its own working folder is writable.
+    assert _score("open('scratch.txt', 'w').write('ok')\nprint(int(input()) * 2)").reward == 1.0
+
+
+def test_fork_bomb_is_contained_and_cleaned_up():
+    before = _host_process_count()
+    start = time.monotonic()
+    result = _score("import os\nwhile True:\n    os.fork()")
+    assert result.reward == 0.0
+    assert time.monotonic() - start < 2 * FAST.run_timeout_s + 2
+    time.sleep(0.2)
+    # Every forked process died with the sandbox's pid namespace: the count is back (other jobs may drift by a few).
+    assert _host_process_count() <= before + 3
+
+
+def test_ten_gigabytes_fail_under_the_memory_limit():
+    result = _score("x = bytearray(10 * 2**30)\nprint(int(input()) * 2)")
+    assert result.reward == 0.0 and result.info["outcomes"][0] == "runtime_error"
+
+
+def test_sleeping_forever_is_killed_at_the_wall_limit():
+    cfg = FAST.model_copy(update={"run_timeout_s": 0.5})
+    start = time.monotonic()
+    result = _score("import time\ntime.sleep(1000)", cfg=cfg)
+    # two tests, each killed at 0.5 s: about 1 s in all
+    assert time.monotonic() - start < 4
+    assert result.info["outcomes"] == ["timeout", "timeout"]
+    assert _score("print(int(input()) * 2)").reward == 1.0  # and the next sample runs normally
+
+
+def test_sample_budget_stops_starting_tests():
+    # budget 0.9 * 1.0 s = 0.9 s: the first test is killed at 0.8 s, the second gets the last 0.1 s at most
+    cfg = FAST.model_copy(update={"run_timeout_s": 0.8})
+    result = _score("import time\ntime.sleep(1000)", cfg=cfg, budget_s=1.0)
+    assert result.info["outcomes"][0] == "timeout"
+    assert result.info["outcomes"][1] in ("timeout", "budget_exhausted")
+
+
+def test_output_is_capped():
+    cfg = FAST.model_copy(update={"max_output_bytes": 4096})
+    run = run_in_sandbox("while True:\n    print('x' * 1000)", cfg)
+    assert run.status == "runtime_error"
+    assert len(run.stdout) <= 4096
+
+
+def test_program_runs_unprivileged_without_the_host_files():
+    code = "import json, os\nprint(json.dumps([os.getuid(), os.listdir('/work'), os.path.exists('/work/shared')]))"
+    uid, work, shared_visible = json.loads(run_in_sandbox(code, FAST).stdout)
+    assert uid >= FAST.sandbox_uid_base
+    assert (work, shared_visible) == ([], False)
