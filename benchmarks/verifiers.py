@@ -20,10 +20,12 @@ from rewards.code_sandbox import run_in_sandbox
 from rewards.registry import resolve_verifier
 from rewards.scorer import Scorer
 
-MATH_PAIRS = [
-    (r"\frac{1}{2}", r"\boxed{0.5}"), (r"2\sqrt{2}", r"\boxed{\sqrt{8}}"), (r"[1, 3)", r"\boxed{[1,3)}"),
-    (r"\{1,2,3\}", r"\boxed{\{3,2,1\}}"), (r"50\%", r"\boxed{50}"), (r"x = 3", r"\boxed{3}"),
-    (r"\text{Monday}", r"\boxed{\text{Tuesday}}"), (r"2\pi", r"\boxed{\pi}"),
+# (gold, response) templates; `{i}` varies per sample so no parse is ever served from a cache.
+MATH_TEMPLATES = [
+    (r"\frac{{1}}{{{i}}}", r"\boxed{{\dfrac{{1}}{{{i}}}}}"), (r"{i}\sqrt{{2}}", r"\boxed{{\sqrt{{{i2}}}}}"),
+    (r"[{i}, {j})", r"\boxed{{[{i},{j})}}"), (r"\{{{i},{j}\}}", r"\boxed{{\{{{j},{i}\}}}}"),
+    (r"{i}\%", r"\boxed{{{i}}}"), (r"x = {i}", r"\boxed{{{i}}}"),
+    (r"\text{{Monday{i}}}", r"\boxed{{\text{{Tuesday{i}}}}}"), (r"{i}\pi", r"\boxed{{{j}\pi}}"),
 ]  # fmt: skip
 PROGRAM = "print(int(input()) * 2)"
 
@@ -37,14 +39,19 @@ def gsm8k_samples(path: Path, n: int) -> tuple[list[Prompt], list[str]]:
 
 
 def math_samples(n: int) -> tuple[list[Prompt], list[str]]:
-    pairs = [MATH_PAIRS[i % len(MATH_PAIRS)] for i in range(n)]
-    # A distinct prefix per sample keeps any caching from flattering the figures.
-    return ([Prompt(prompt_id=f"math/{i}", prompt_token_ids=[0], answer=g) for i, (g, _) in enumerate(pairs)],
-            [f"Step {i}: so the answer is {r}" for i, (_, r) in enumerate(pairs)])
+    prompts, responses = [], []
+    for k in range(n):
+        gold, response = MATH_TEMPLATES[k % len(MATH_TEMPLATES)]
+        values = {"i": k + 2, "j": k + 3, "i2": 2 * (k + 2) ** 2}  # sqrt(2 i^2) = i sqrt(2)
+        prompts.append(Prompt(prompt_id=f"math/{k}", prompt_token_ids=[0], answer=gold.format(**values)))
+        responses.append("So the answer is " + response.format(**values))
+    return prompts, responses
 
 
 def in_process_rate(verifier: str, prompts: list[Prompt], responses: list[str]) -> float:
     fn = resolve_verifier(verifier).fn
+    for p, r in zip(prompts[:8], responses[:8], strict=True):
+        fn(p, r)  # first calls pay for lazy imports
     start = time.perf_counter()
     for p, r in zip(prompts, responses, strict=True):
         fn(p, r)

@@ -141,8 +141,11 @@ class LearnerRank:
             loss_mask = batch.loss_mask & sample_mask[:, None]
             logits = response_logits(self.engine, batch, cfg.rollout.temperature)
             logprobs = token_logprobs(logits, batch.response_ids)
-            with torch.no_grad():
-                entropy = entropy_from_logits(logits.detach())
+            if cfg.algorithm.entropy_coef > 0:
+                entropy = entropy_from_logits(logits)
+            else:
+                with torch.no_grad():
+                    entropy = entropy_from_logits(logits.detach())
             ref = None
             if self.ref_model is not None:
                 with torch.no_grad():

@@ -3,6 +3,8 @@
 percentages, degrees, `\\text{}` answers and equations such as `x = 3`).
 """
 
+import logging
+
 from math_verify import parse, verify
 
 from protocols.trajectory import Prompt, VerifierResult
@@ -12,6 +14,15 @@ from rewards.registry import register_verifier
 # before sympy sees them, and the scorer's per-sample timeout covers the rest.
 MAX_ANSWER_CHARS = 400
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
+
+
+def _drop_timeout_notice(record: logging.LogRecord) -> bool:
+    # math-verify warns once per process that its own timeout is off; the scorer's timeout is on instead.
+    return not record.getMessage().startswith("Timeout is disabled")
+
+
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(_drop_timeout_notice)
 
 
 def last_boxed(text: str) -> str | None:
