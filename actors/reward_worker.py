@@ -3,8 +3,6 @@ the replay queue. A thin wrapper around `rewards.scorer.Scorer`, which holds the
 Ray. The driver creates `reward.num_workers` of them with `ray.remote(RewardWorker).options(num_cpus=...)`.
 """
 
-import logging
-
 from protocols.reward import RewardConfig
 from protocols.trajectory import TrajectoryGroup
 from rewards.scorer import Scorer
@@ -12,7 +10,6 @@ from rewards.scorer import Scorer
 
 class RewardWorker:
     def __init__(self, cfg: RewardConfig, worker_index: int):
-        logging.basicConfig(level=logging.INFO)
         self.worker_index = worker_index
         self.scorer = Scorer(cfg)
 

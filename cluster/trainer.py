@@ -45,6 +45,26 @@ def resolve_model_path(cfg: RunConfig) -> str:
     return prepare_demo_model(demo=cfg.model.demo, data=cfg.data)
 
 
+def fit_lengths_to_model(cfg: RunConfig, model_path: str) -> RunConfig:
+    """Prompt + response must fit the model's context; shrink data.max_prompt_tokens to fit, or fail early."""
+    import json
+    from pathlib import Path
+
+    model_cfg = json.loads((Path(model_path) / "config.json").read_text())
+    limit = model_cfg.get("max_position_embeddings")
+    if not limit or cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens <= limit:
+        return cfg
+    room = limit - cfg.rollout.max_response_tokens
+    if room < 1:
+        raise ValueError(
+            f"rollout.max_response_tokens={cfg.rollout.max_response_tokens} leaves no room for a prompt in the "
+            f"model's context of {limit} tokens (max_position_embeddings in {model_path}/config.json); lower it"
+        )
+    log.warning("data.max_prompt_tokens=%d lowered to %d to fit the model's context of %d tokens",
+                cfg.data.max_prompt_tokens, room, limit)
+    return cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_prompt_tokens": room})})
+
+
 def batch_tensors(trajectories: list[Trajectory], cfg: RunConfig) -> dict:
     """Per-sample lists for the learner plus the global-batch tensors the driver needs for advantages."""
     lengths = torch.tensor([len(t.response_token_ids) for t in trajectories])
@@ -85,9 +105,11 @@ class Trainer:
     """Owns the actor groups of one run. `run()` is the whole job; tests use the pieces."""
 
     def __init__(self, cfg: RunConfig) -> None:
+        self.job_start = time.perf_counter()
         self.cfg = cfg
         resolve_verifier(cfg.reward.verifier)  # fail before any actor starts
         self.model_path = resolve_model_path(cfg)
+        self.cfg = cfg = fit_lengths_to_model(cfg, self.model_path)
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=cfg.model.trust_remote_code)
@@ -174,7 +196,6 @@ class Trainer:
     def run(self) -> dict:
         cfg = self.cfg
         folder = RunFolder(cfg)
-        wall_start = time.perf_counter()
         accuracy_before = evaluate(self.rollout_workers, self.eval_prompts, cfg.reward.verifier)
         log.warning("held-out accuracy before training: %.3f", accuracy_before)
         run_refs = [w.run.remote() for w in self.rollout_workers]
@@ -204,7 +225,7 @@ class Trainer:
         log.warning("held-out accuracy after training: %.3f", accuracy_after)
         self.learner.save_hf(folder.final_model_dir)
         stats = ray.get(self.controller.stats.remote())
-        wall = time.perf_counter() - wall_start
+        wall = time.perf_counter() - self.job_start
         summary = {
             "accuracy_before": accuracy_before,
             "accuracy_after": accuracy_after,

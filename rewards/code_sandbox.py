@@ -180,7 +180,8 @@ def run_test(code: str, test: dict[str, Any], cfg: CodeSandboxConfig, timeout_s:
             got = json.loads(run.result)
         except json.JSONDecodeError:
             return False, "wrong_answer"
-        return _values_equal(got, test.get("output")), "passed" if _values_equal(got, test.get("output")) else "wrong_answer"
+        passed = _values_equal(got, test.get("output"))
+        return passed, "passed" if passed else "wrong_answer"
     passed = _normalize_lines(run.stdout) == _normalize_lines(str(test.get("output", "")))
     return passed, "passed" if passed else "wrong_answer"
 

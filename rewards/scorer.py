@@ -182,24 +182,24 @@ class Scorer:
         elif kind == "init_error":
             raise RuntimeError(f"verifier process could not start: {message[1]}")
         elif kind == "unit":
-            slot.units.popleft()
+            unit = slot.units.popleft()
             for index, result, error, text, seconds in message[1]:
-                self._record(results, index, result, error, text, seconds, slot)
+                self._record(results, index, result, error, text, seconds, unit)
             if slot.units:
                 slot.deadline = time.monotonic() + self._budget(slot.units[0]) + _HARD_KILL_GRACE_S
 
     def _fail_current(self, slot: _Slot, kind: str, text: str, results: list) -> None:
         unit = slot.units.popleft()
         for item in unit.items:
-            self._record(results, item[0], None, kind, text, self.cfg.timeout_s if kind == "timeout" else 0.0, slot, unit)
+            self._record(results, item[0], None, kind, text, self.cfg.timeout_s if kind == "timeout" else 0.0, unit)
 
     def _record(self, results: list, index: int, result: dict | None, error: str, text: str, seconds: float,
-                slot: _Slot, unit: _Unit | None = None) -> None:
+                unit: _Unit) -> None:
         self._counts["samples"] += 1
         self._counts["verify_time_s"] += seconds
         if error:
             self._counts[f"error_{error}"] += 1
-            prompt_id = next((it[1].prompt_id for it in unit.items if it[0] == index), "?") if unit else "?"
+            prompt_id = next((it[1].prompt_id for it in unit.items if it[0] == index), "?")
             self._log_error(error, f"{text} (prompt {prompt_id})")
             results[index] = VerifierResult(reward=0.0, correct=False, info={"error": error, "message": text}, error=error)
             return

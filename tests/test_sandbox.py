@@ -26,8 +26,17 @@ def _score(code: str, tests=ECHO_TESTS, cfg: CodeSandboxConfig = FAST, budget_s:
     return verify_code(prompt, _respond(code))
 
 
-def _host_process_count() -> int:
-    return sum(1 for name in os.listdir("/proc") if name.isdigit())
+def _sandbox_processes_on_host() -> int:
+    """Processes on the host whose real uid is a sandbox uid (other jobs on the machine never use those)."""
+    count = 0
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/status") as f:
+                uid = next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
+        except (FileNotFoundError, NotADirectoryError, ProcessLookupError, StopIteration, ValueError):
+            continue
+        count += uid >= FAST.sandbox_uid_base
+    return count
 
 
 def test_extract_code_takes_last_python_block():
@@ -100,14 +109,14 @@ def test_writes_outside_the_sandbox_do_not_reach_the_host(tmp_path):
 
 
 def test_fork_bomb_is_contained_and_cleaned_up():
-    before = _host_process_count()
+    assert _sandbox_processes_on_host() == 0
     start = time.monotonic()
     result = _score("import os\nwhile True:\n    os.fork()")
     assert result.reward == 0.0
     assert time.monotonic() - start < 2 * FAST.run_timeout_s + 2
+    # Every forked process died with the sandbox's pid namespace: none is left running as a sandbox uid.
     time.sleep(0.2)
-    # Every forked process died with the sandbox's pid namespace: the count is back (other jobs may drift by a few).
-    assert _host_process_count() <= before + 3
+    assert _sandbox_processes_on_host() == 0
 
 
 def test_ten_gigabytes_fail_under_the_memory_limit():
