@@ -11,12 +11,18 @@ import ray
 from protocols.config import RunConfig
 
 
+# vLLM logs every in-place weight reload at INFO/WARNING, and transformers draws a progress bar per load: at one
+# sync per step that buries the training progress bar.
+QUIET_ENV = {"TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "ERROR", "TRANSFORMERS_VERBOSITY": "error",
+             "HF_HUB_DISABLE_PROGRESS_BARS": "1", "RAY_DEDUP_LOGS": "1"}
+
+
 def start_ray(cfg: RunConfig) -> None:
     """Start the embedded cluster or join `cluster.address`; errors say which setting to change."""
     if ray.is_initialized():
         return
-    env = {"TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.cpu_kvcache_gib), "RAY_DEDUP_LOGS": "1"}
+    env = {**QUIET_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.cpu_kvcache_gib)}
     if not cfg.cluster.use_gpus:
         env["DS_ACCELERATOR"] = "cpu"
     try:

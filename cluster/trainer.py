@@ -4,9 +4,11 @@ prompts -> rollout workers -> reward workers -> controller's replay queue -> lea
 rollout workers. The driver never asks a rollout worker for data: batches come only from the queue.
 """
 
+import json
 import logging
 import time
 from collections import Counter
+from pathlib import Path
 
 import ray
 import torch
@@ -39,6 +41,11 @@ log = logging.getLogger(__name__)
 def resolve_model_path(cfg: RunConfig) -> str:
     """The policy's HF folder: `model.path`, or the cached warm-started demo model."""
     if cfg.model.path:
+        if not (Path(cfg.model.path) / "config.json").is_file():
+            raise ValueError(
+                f"model.path={cfg.model.path!r} is not a Hugging Face model folder (no config.json there); give a "
+                "local folder with config.json, weights and tokenizer, or leave model.path empty for the demo model"
+            )
         return cfg.model.path
     from cluster.demo_model import prepare_demo_model
 
@@ -47,9 +54,6 @@ def resolve_model_path(cfg: RunConfig) -> str:
 
 def fit_lengths_to_model(cfg: RunConfig, model_path: str) -> RunConfig:
     """Prompt + response must fit the model's context; shrink data.max_prompt_tokens to fit, or fail early."""
-    import json
-    from pathlib import Path
-
     model_cfg = json.loads((Path(model_path) / "config.json").read_text())
     limit = model_cfg.get("max_position_embeddings")
     if not limit or cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens <= limit:
@@ -131,6 +135,7 @@ class Trainer:
         ]
         ray.get([w.get_version.remote() for w in self.rollout_workers])
         self.version = 0
+        self.trained_group_ids: list[str] = []
 
     def _wait_for_batch(self) -> tuple[list[TrajectoryGroup], float]:
         start = time.perf_counter()
@@ -144,6 +149,7 @@ class Trainer:
         """One learner update on a batch of groups, then publish the new weights."""
         cfg = self.cfg
         trajectories = [t for g in groups for t in g.trajectories]
+        self.trained_group_ids.extend(g.group_id for g in groups)
         if any(t.min_version < self.version - cfg.train.max_staleness for t in trajectories):
             raise RuntimeError("the queue returned a sample older than train.max_staleness allows")
         bt = batch_tensors(trajectories, cfg)

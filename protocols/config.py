@@ -112,7 +112,7 @@ class LearnerConfig(BaseModel):
 class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    steps: int = Field(300, ge=1)
+    steps: int = Field(500, ge=1)
     """Learner optimizer steps (policy versions) to run."""
 
     max_staleness: int = Field(0, ge=0)
@@ -145,7 +145,10 @@ class RunConfig(BaseModel):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=lambda: AlgorithmConfig(preset="dapo"))
+    """Objective (see learner/ALGORITHMS.md). The embedded demo defaults to DAPO: dynamic sampling keeps only
+    groups with a learning signal, which measured +18 points in 400 steps against +10 for GRPO in 500. A YAML
+    `algorithm:` section without `preset` gets AlgorithmConfig's own default, grpo."""
     train: TrainConfig = Field(default_factory=TrainConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 

@@ -22,10 +22,12 @@ def shared_dir() -> Path:
 def ray_cluster():
     import ray
 
+    from cluster.ray_setup import QUIET_ENV
+
     if not ray.is_initialized():
         ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING",
-                 runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                                           "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}})
+                 runtime_env={"env_vars": {**QUIET_ENV, "DS_ACCELERATOR": "cpu", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                                           "VLLM_CPU_KVCACHE_SPACE": "1"}})
     yield ray
     ray.shutdown()
 

@@ -1,0 +1,501 @@
+"""Scale simulator: the real controller, replay queue and staleness rules, driven on a virtual clock by timed
+stand-ins for the vLLM engines and the learner, so hundreds of engines with long-tailed lengths run in seconds.
+
+Real code, called as the Ray actors call it: `RolloutController` (admission budget, prompt cursor, `acquire`,
+`put`, `report_dropped`, `take_batch`, `publish`, `latest_weights`, `stop`), the `ReplayQueue` inside it
+(staleness and zero-variance drops, accounting) and the `Prompt` / `Trajectory` / `TrajectoryGroup` records with
+per-token `token_versions`. Mirrored from `RolloutWorker.run` (same rules, re-written for the clock): at most
+`prompts_in_flight` groups per engine, acquire only with free group slots and no pending weights, poll the
+weights before every decode step, load them at a safe point between steps (at once with partial rollouts, after
+draining otherwise), leave on the controller's stop flag and report the aborted groups. The learner loop mirrors
+`Trainer.run`: take a full batch at its version, train, publish version + 1.
+Stand-ins: decode timing (continuous batching; a step costs a + b * running sequences and emits one token per
+running sequence; requests beyond max_num_seqs wait FCFS as in vLLM's scheduler; prefill is not modelled),
+response lengths (lognormal plus a share that runs to max_response_tokens, as in long chain-of-thought),
+rewards (Bernoulli per sample at a per-prompt success rate), reward workers (instant), a weight load (a fixed
+pause) and the learner step (c + d * tokens). The trainer's 5 ms poll and the worker's 3 ms idle sleep are
+replaced by reacting at once to the events that can change their answer.
+"""
+
+import functools
+import gc
+import heapq
+import math
+import random
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from actors.controller import RolloutController
+from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup
+
+
+class SimulatorConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_engines: int = Field(64, ge=1, le=4096)
+    """Simulated rollout workers, one engine each (rollout.num_workers)."""
+
+    max_num_seqs: int = Field(64, ge=1)
+    """Sequences one engine decodes at once (vLLM max_num_seqs); more requests wait in the engine's queue."""
+
+    prompts_in_flight: int = Field(32, ge=1)
+    """Groups a worker keeps in its engine (rollout.prompts_in_flight). A group holds its slot until its longest
+    sample ends, so prompts_in_flight * samples_per_prompt should exceed max_num_seqs to keep the batch full."""
+
+    samples_per_prompt: int = Field(8, ge=2)
+    """Group size G (rollout.samples_per_prompt)."""
+
+    prompts_per_step: int = Field(512, ge=1)
+    """Groups per learner batch (learner.prompts_per_step)."""
+
+    max_staleness: int = Field(4, ge=0)
+    """train.max_staleness: 0 is the synchronous baseline (generate a batch, train, load weights)."""
+
+    partial_rollouts: bool = True
+    """train.partial_rollouts: in-flight requests continue under new weights (only with max_staleness > 0)."""
+
+    drop_zero_variance: bool = False
+    """Dynamic sampling: the queue drops groups whose rewards are all equal, and their budget is re-admitted."""
+
+    steps: int = Field(24, ge=2, le=10_000)
+    """Learner steps to simulate."""
+
+    warmup_steps: int = Field(4, ge=1)
+    """Steps left out of the throughput and idle measurement (the pipeline filling up)."""
+
+    decode_fixed_seconds: float = Field(0.02, gt=0)
+    """a in a decode step's time a + b * running: reading the weights once per step (memory-bound decode)."""
+
+    decode_seconds_per_seq: float = Field(0.0003125, ge=0)
+    """b in a + b * running: each running sequence's KV cache read, in seconds per sequence per step."""
+
+    sync_seconds: float = Field(2.0, ge=0)
+    """Pause of one engine per weight load (transfer and in-place reload)."""
+
+    learner_fixed_seconds: float = Field(5.0, ge=0)
+    """c in the learner step time c + d * tokens: optimizer step and weight publishing."""
+
+    learner_seconds_per_token: float = Field(1e-5, gt=0)
+    """d in c + d * tokens: forward and backward per trained response token (see `balanced`)."""
+
+    median_response_tokens: int = Field(3000, ge=1)
+    """Median of the lognormal part of the response length distribution."""
+
+    length_sigma: float = Field(0.8, ge=0, le=4)
+    """Log-space spread of the lognormal part; larger means a longer tail. 0 gives a fixed length."""
+
+    max_length_fraction: float = Field(0.05, ge=0, le=1)
+    """Share of responses that run to max_response_tokens (long chain-of-thought that does not stop)."""
+
+    max_response_tokens: int = Field(16384, ge=1)
+    """Responses stop here (finish_reason `length`)."""
+
+    token_chunk: int = Field(128, ge=1)
+    """Simulated tokens per stored token id. Each stored entry carries the version of its chunk's first token,
+    so a trajectory's min_version is exact while records stay small; 1 stores every token."""
+
+    abort_stale_groups: bool = False
+    """Proposed worker change, not in RolloutWorker yet: after loading version v, abort in-flight groups whose
+    oldest token is older than v - max_staleness (the queue would drop them) and report them dropped."""
+
+    num_prompts: int = Field(4096, ge=1)
+    """Training prompts, each with a success rate drawn uniformly from [0, 1] for the Bernoulli rewards."""
+
+    seed: int = 0
+    """Seeds prompt success rates, response lengths and rewards; the same seed gives the same run."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "SimulatorConfig":
+        if self.warmup_steps >= self.steps:
+            raise ValueError(f"warmup_steps={self.warmup_steps} leaves no measured step of steps={self.steps}; "
+                             f"use warmup_steps < steps")
+        return self
+
+    def synchronous(self, even_split: bool = True) -> "SimulatorConfig":
+        """The synchronous baseline with the same engines, lengths and learner. `even_split` sets
+        prompts_in_flight to the engine's share of a batch: otherwise the first workers to ask take
+        prompts_in_flight groups each and the rest stay idle for the whole batch."""
+        update = {"max_staleness": 0, "partial_rollouts": False}
+        if even_split:
+            update["prompts_in_flight"] = -(-self.prompts_per_step // self.num_engines)
+        return self.model_copy(update=update)
+
+
+LENGTH_FIELDS = ("median_response_tokens", "length_sigma", "max_length_fraction", "max_response_tokens", "seed")
+
+
+def response_length(rng: random.Random, cfg: SimulatorConfig) -> int:
+    if rng.random() < cfg.max_length_fraction:
+        return cfg.max_response_tokens
+    length = round(cfg.median_response_tokens * math.exp(rng.gauss(0.0, cfg.length_sigma)))
+    return max(1, min(cfg.max_response_tokens, length))
+
+
+def success_rates(cfg: SimulatorConfig) -> list[float]:
+    rng = random.Random(f"{cfg.seed}/prompts")
+    return [rng.random() for _ in range(cfg.num_prompts)]
+
+
+@functools.lru_cache(maxsize=64)
+def _mean_length(cfg: SimulatorConfig) -> float:
+    rng = random.Random(f"{cfg.seed}/capacity")
+    return sum(response_length(rng, cfg) for _ in range(100_000)) / 100_000
+
+
+def capacities(cfg: SimulatorConfig) -> dict[str, float]:
+    """The ideal bound: generation capacity (all engines decoding full batches, in trainable tokens/s) against
+    training capacity (learner tokens/s at the mean batch size); throughput can reach at most the smaller."""
+    lengths_only = cfg.model_copy(update={k: v for k, v in SimulatorConfig().model_dump().items()
+                                          if k not in LENGTH_FIELDS})
+    mean_length = _mean_length(lengths_only)
+    g = cfg.samples_per_prompt
+    keep = 1.0
+    if cfg.drop_zero_variance:
+        rates = success_rates(cfg)
+        keep = sum(1 - p**g - (1 - p) ** g for p in rates) / len(rates)
+    s = cfg.max_num_seqs
+    decoded = cfg.num_engines * s / (cfg.decode_fixed_seconds + cfg.decode_seconds_per_seq * s)
+    batch_tokens = cfg.prompts_per_step * g * mean_length
+    train = batch_tokens / (cfg.learner_fixed_seconds + cfg.learner_seconds_per_token * batch_tokens)
+    return {"mean_length": mean_length, "keep_fraction": keep, "decode_capacity": decoded,
+            "generation_capacity": decoded * keep, "training_capacity": train, "ideal": min(decoded * keep, train)}
+
+
+def balanced(cfg: SimulatorConfig, training_over_generation: float = 1.0) -> SimulatorConfig:
+    """`cfg` with learner_seconds_per_token set so training capacity = ratio * generation capacity."""
+    cap = capacities(cfg)
+    batch_tokens = cfg.prompts_per_step * cfg.samples_per_prompt * cap["mean_length"]
+    target = cap["generation_capacity"] * training_over_generation
+    per_token = 1.0 / target - cfg.learner_fixed_seconds / batch_tokens
+    if per_token <= 0:
+        raise ValueError(f"learner_fixed_seconds={cfg.learner_fixed_seconds} alone exceeds the step time of "
+                         f"{batch_tokens / target:.1f} s that the target training capacity allows; lower it")
+    return cfg.model_copy(update={"learner_seconds_per_token": per_token})
+
+
+@dataclass
+class SimulationResult:
+    throughput: float
+    """Trained tokens per simulated second over the measured steps."""
+    capacities: dict[str, float]
+    learner_idle_frac: float
+    generated_tokens_per_s: float
+    """Decoded tokens per second over the measured steps, whether trained or later dropped."""
+    max_staleness_observed: int
+    """Largest learner version minus a trained sample's oldest token version."""
+    min_lag_observed: int
+    """Smallest learner version minus a trained sample's newest token version (0 at k=0: all on-policy)."""
+    drops: dict[str, int]
+    admitted: int
+    trained_group_ids: list[str]
+    dropped_group_ids: dict[str, list[str]]
+    waiting_group_ids: list[str]
+    versions_seen: list[list[int]]
+    sim_seconds: float
+
+    @property
+    def fraction_of_ideal(self) -> float:
+        return self.throughput / self.capacities["ideal"]
+
+
+class _Sequence:
+    __slots__ = ("group", "index", "length", "start_step")
+
+    def __init__(self, group: "_Group", index: int, length: int) -> None:
+        self.group, self.index, self.length, self.start_step = group, index, length, -1
+
+
+class _Group:
+    def __init__(self, group_id: str, prompt: Prompt, lengths: list[int], rewards: list[float]) -> None:
+        self.group_id, self.prompt, self.rewards = group_id, prompt, rewards
+        self.sequences = [_Sequence(self, i, n) for i, n in enumerate(lengths)]
+        self.trajectories: list[Trajectory | None] = [None] * len(lengths)
+        self.unfinished = len(lengths)
+
+
+@dataclass
+class _Engine:
+    worker_id: int
+    version: int = 0
+    steps: int = 0
+    """Decode steps done; tokens of the step with index i (0-based) carry the version in force at i."""
+    version_changes: list[tuple[int, int]] = field(default_factory=lambda: [(0, 0)])
+    running: list = field(default_factory=list)
+    """Heap of (finish step, order, sequence)."""
+    waiting: deque = field(default_factory=deque)
+    active: dict = field(default_factory=dict)
+    newer: tuple[int, list] | None = None
+    segment: tuple[float, float, int, int] | None = None
+    """(start time, seconds per step, steps at start, steps at end) of the decode run now going."""
+    syncing: bool = False
+    starved: bool = False
+    exited: bool = False
+    token: int = 0
+    versions_seen: list[int] = field(default_factory=lambda: [0])
+
+
+class Simulation:
+    def __init__(self, cfg: SimulatorConfig) -> None:
+        self.cfg = cfg
+        prompts = [Prompt(prompt_id=f"sim/{i}", prompt_token_ids=[1], metadata={"success_rate": p})
+                   for i, p in enumerate(success_rates(cfg))]
+        self.controller = RolloutController(prompts, cfg.prompts_per_step, cfg.max_staleness,
+                                            cfg.drop_zero_variance, cfg.seed)
+        self.partial = cfg.partial_rollouts and cfg.max_staleness > 0  # the worker's own rule
+        self.engines = [_Engine(i) for i in range(cfg.num_engines)]
+        self.events: list = []
+        self.order = 0
+        self.tokens_of: dict[str, int] = {}
+        self.dropped_ids: dict[str, list[str]] = {"zero_variance": [], "aborted_at_stop": []}
+        self.queued_ids: set[str] = set()
+        self.trained_ids: list[str] = []
+        self.learner_version = 0
+        self.learner_busy = False
+        self.step_ends: list[float] = [0.0]
+        self.step_seconds: list[float] = []
+        self.step_tokens: list[int] = []
+        self.decoded = 0
+        self.decoded_at_step: list[int] = [0]
+        self.max_lag, self.min_lag = 0, math.inf
+        self.stopped = False
+        self.now = 0.0
+
+    # --- event plumbing --------------------------------------------------------------------------------------
+    def _push(self, t: float, kind: str, *payload) -> None:
+        self.order += 1
+        heapq.heappush(self.events, (t, self.order, kind, payload))
+
+    def run(self) -> SimulationResult:
+        for engine in self.engines:
+            self._push(0.0, "decide", engine, engine.token, 0)
+        self._try_learn(0.0)
+        while self.events:
+            now, _, kind, payload = heapq.heappop(self.events)
+            self.now = now
+            if kind == "decide":
+                engine, token, steps = payload
+                if token == engine.token:
+                    self._end_segment(engine, steps)
+                    self._decide(engine, now)
+            elif kind == "synced":
+                self._synced(payload[0], now)
+            else:
+                self._learner_done(now, *payload)
+        return self._result()
+
+    # --- engines (mirrors RolloutWorker.run) -------------------------------------------------------------------
+    def _end_segment(self, e: _Engine, steps: int) -> None:
+        if e.segment is not None:
+            self.decoded += (steps - e.steps) * len(e.running)
+            e.steps = steps
+            e.segment = None
+        while e.running and e.running[0][0] <= e.steps:
+            self._finish(e, heapq.heappop(e.running)[2])
+
+    def _decide(self, e: _Engine, now: float) -> None:
+        """One pass of the worker loop at a safe point: poll weights, maybe load, acquire, then decode."""
+        e.token += 1
+        latest = self.controller.latest_weights(e.version)
+        e.newer = e.newer or latest
+        if e.newer and (self.partial or not e.active):
+            e.syncing = True
+            self._push(now + self.cfg.sync_seconds, "synced", e)
+            return
+        free = self.cfg.prompts_in_flight - len(e.active)
+        e.starved = False
+        if free > 0 and e.newer is None:
+            stop, granted = self.controller.acquire(e.worker_id, e.version, free)
+            if stop:
+                self._exit(e)
+                return
+            for group_id, prompt in granted:
+                self._start_group(e, group_id, prompt)
+            e.starved = len(granted) < free
+        while e.waiting and len(e.running) < self.cfg.max_num_seqs:
+            seq = e.waiting.popleft()
+            seq.start_step = e.steps
+            self.order += 1
+            heapq.heappush(e.running, (e.steps + seq.length, self.order, seq))
+        if e.running:  # run until the first sequence ends or an event interrupts at a step boundary
+            dt = self.cfg.decode_fixed_seconds + self.cfg.decode_seconds_per_seq * len(e.running)
+            end = e.running[0][0]
+            e.segment = (now, dt, e.steps, end)
+            self._push(now + (end - e.steps) * dt, "decide", e, e.token, end)
+
+    def _poke(self, e: _Engine, now: float) -> None:
+        """Something the worker polls for changed (weights, budget, stop): it notices after its current step."""
+        if e.exited or e.syncing:
+            return
+        if e.segment is None:
+            self._push(now, "decide", e, e.token + 1, e.steps)
+            e.token += 1
+            return
+        start, dt, start_steps, end = e.segment
+        done = math.ceil((now - start) / dt - 1e-9)
+        if start_steps + done < end:
+            e.token += 1
+            self._push(start + done * dt, "decide", e, e.token, start_steps + done)
+
+    def _synced(self, e: _Engine, now: float) -> None:
+        version, _refs = e.newer
+        if version <= e.version:
+            raise RuntimeError(f"engine {e.worker_id} would load version {version} over {e.version}")
+        e.version, e.newer, e.syncing = version, None, False
+        e.versions_seen.append(version)
+        e.version_changes.append((e.steps, version))
+        if self.cfg.abort_stale_groups:
+            self._abort_stale(e, version - self.cfg.max_staleness)
+        self._decide(e, now)
+
+    def _abort_stale(self, e: _Engine, oldest_allowed: int) -> None:
+        doomed = set()
+        for group_id, group in e.active.items():
+            started = [s.start_step for s in group.sequences if s.start_step >= 0]
+            if started and _stamp(min(started), 1, e.version_changes, 1)[0] < oldest_allowed:
+                doomed.add(group_id)
+        if not doomed:
+            return
+        for group_id in doomed:
+            group = e.active.pop(group_id)
+            group.sequences = []
+        e.running = [item for item in e.running if item[2].group.group_id not in doomed]
+        heapq.heapify(e.running)
+        e.waiting = deque(s for s in e.waiting if s.group.group_id not in doomed)
+        self.controller.report_dropped("stale_in_flight", len(doomed))
+        self.dropped_ids.setdefault("stale_in_flight", []).extend(sorted(doomed))
+
+    def _start_group(self, e: _Engine, group_id: str, prompt: Prompt) -> None:
+        rng = random.Random(f"{self.cfg.seed}/{group_id}")
+        g = self.cfg.samples_per_prompt
+        lengths = [response_length(rng, self.cfg) for _ in range(g)]
+        rate = prompt.metadata["success_rate"]
+        rewards = [1.0 if rng.random() < rate else 0.0 for _ in range(g)]
+        group = _Group(group_id, prompt, lengths, rewards)
+        e.active[group_id] = group
+        e.waiting.extend(group.sequences)
+
+    def _finish(self, e: _Engine, seq: _Sequence) -> None:
+        group, chunk = seq.group, self.cfg.token_chunk
+        versions = _stamp(seq.start_step, seq.length, e.version_changes, chunk)
+        n = len(versions)
+        group.trajectories[seq.index] = Trajectory(
+            group_id=group.group_id, sample_index=seq.index, prompt=group.prompt, response_token_ids=[1] * n,
+            behavior_logprobs=[-1.0] * n, token_versions=versions, reward=group.rewards[seq.index],
+            finish_reason="length" if seq.length == self.cfg.max_response_tokens else "stop",
+            worker_id=e.worker_id)
+        group.unfinished -= 1
+        if group.unfinished:
+            return
+        del e.active[group.group_id]
+        self.tokens_of[group.group_id] = sum(s.length for s in group.sequences)
+        group.sequences = []  # break the group <-> sequence cycle so refcounting frees it
+        scored = TrajectoryGroup(group_id=group.group_id, trajectories=group.trajectories)
+        self._put(scored, self.now)
+
+    def _exit(self, e: _Engine) -> None:
+        e.exited = True
+        if e.active:
+            self.controller.report_dropped("aborted_at_stop", len(e.active))
+            self.dropped_ids["aborted_at_stop"].extend(e.active)
+            e.active.clear()
+            e.running.clear()
+            e.waiting.clear()
+
+    # --- queue and learner (mirrors Trainer.run) ----------------------------------------------------------------
+    def _put(self, group: TrajectoryGroup, now: float) -> None:
+        if self.controller.put(group):
+            self.queued_ids.add(group.group_id)
+            arrived_stale = group.min_version < self.learner_version - self.cfg.max_staleness
+            if arrived_stale or len(self.controller.queue) >= self.cfg.prompts_per_step:
+                self._try_learn(now)
+        else:
+            self.dropped_ids["zero_variance"].append(group.group_id)
+            self._budget_freed(now)
+
+    def _budget_freed(self, now: float) -> None:
+        for e in self.engines:
+            if e.starved:
+                self._poke(e, now)
+
+    def _try_learn(self, now: float) -> None:
+        if self.learner_busy or self.stopped:
+            return
+        dropped_before = self.controller.queue.dropped["stale"]
+        batch = self.controller.take_batch(self.learner_version)
+        if self.controller.queue.dropped["stale"] > dropped_before:
+            self._budget_freed(now)
+        if batch is None:
+            return
+        v = self.learner_version
+        for group in batch:
+            for t in group.trajectories:
+                if t.min_version < v - self.cfg.max_staleness:  # the trainer's own check
+                    raise RuntimeError(f"the queue returned a sample of version {t.min_version} to learner {v}")
+                self.max_lag = max(self.max_lag, v - t.min_version)
+                self.min_lag = min(self.min_lag, v - t.max_version)
+            self.trained_ids.append(group.group_id)
+        tokens = sum(self.tokens_of[g.group_id] for g in batch)
+        seconds = self.cfg.learner_fixed_seconds + self.cfg.learner_seconds_per_token * tokens
+        self.learner_busy = True
+        self.step_seconds.append(seconds)
+        self.step_tokens.append(tokens)
+        self._push(now + seconds, "learned")
+
+    def _learner_done(self, now: float) -> None:
+        self.learner_busy = False
+        self.learner_version += 1
+        self.controller.publish(self.learner_version, [])
+        self.step_ends.append(now)
+        self.decoded_at_step.append(self.decoded)
+        if self.learner_version == self.cfg.steps:
+            self.controller.stop()
+            self.stopped = True
+        for e in self.engines:
+            self._poke(e, now)
+        self._try_learn(now)
+
+    def _result(self) -> SimulationResult:
+        cfg, w, n = self.cfg, self.cfg.warmup_steps, self.cfg.steps
+        if self.learner_version < n:
+            raise RuntimeError(f"the simulation stalled at learner version {self.learner_version} of steps={n}: "
+                               f"{self.controller.stats()}")
+        window = self.step_ends[n] - self.step_ends[w]
+        tokens = sum(self.step_tokens[w:n])
+        waiting = [g["group_id"] for g in self.controller.queue.state_dict()["groups"]]
+        stale = self.queued_ids - set(self.trained_ids) - set(waiting)
+        dropped_ids = {**self.dropped_ids, "stale": sorted(stale, key=lambda g: int(g[1:]))}
+        return SimulationResult(
+            throughput=tokens / window, capacities=capacities(cfg),
+            learner_idle_frac=1 - sum(self.step_seconds[w:n]) / window,
+            generated_tokens_per_s=(self.decoded_at_step[n] - self.decoded_at_step[w]) / window,
+            max_staleness_observed=self.max_lag, min_lag_observed=int(self.min_lag),
+            drops=dict(self.controller.queue.dropped), admitted=self.controller.admitted,
+            trained_group_ids=list(self.trained_ids), dropped_group_ids=dropped_ids, waiting_group_ids=waiting,
+            versions_seen=[e.versions_seen for e in self.engines], sim_seconds=self.step_ends[-1])
+
+
+def _stamp(start: int, length: int, changes: list[tuple[int, int]], chunk: int) -> list[int]:
+    """Version of each chunk's first token: token i is sampled in step start + i under the version in force."""
+    out: list[int] = []
+    chunks = -(-length // chunk)
+    for k, (first_step, version) in enumerate(changes):
+        until = changes[k + 1][0] if k + 1 < len(changes) else math.inf
+        # chunks whose first token's step (start + j * chunk) is before `until`
+        below = chunks if until == math.inf else min(chunks, max(0, -(-(until - start) // chunk)))
+        out.extend([version] * (below - len(out)))
+        if len(out) == chunks:
+            break
+    return out
+
+
+def simulate(cfg: SimulatorConfig) -> SimulationResult:
+    # The run allocates millions of short-lived acyclic records; generational GC scans cost half the time.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return Simulation(cfg).run()
+    finally:
+        if was_enabled:
+            gc.enable()
