@@ -3,7 +3,7 @@ replay queue and staleness rules run with timed stand-ins for 64+ vLLM engines a
 (`cluster/simulator.py`). Prints throughput against the ideal bound min(generation, training capacity), the
 learner's idle share and the speedup over the synchronous baseline of the same scenario, all from one run.
 
-    python benchmarks/simulate_async.py [--engines 64] [--steps 20] [--warmup 6] [--seed 0]
+    python benchmarks/simulate_async.py [--engines 64] [--steps 40] [--warmup 8] [--seed 0]
 """
 
 import argparse
@@ -14,8 +14,10 @@ from cluster.simulator import SimulationResult, SimulatorConfig, balanced, simul
 
 def scenarios(base: SimulatorConfig) -> list[tuple[str, SimulatorConfig]]:
     """(name, config) rows; `base` is the balanced long-tailed headline."""
-    rows = [("balanced long-tail (headline)", base)]
-    rows += [(f"balanced long-tail, k={k}", base.model_copy(update={"max_staleness": k})) for k in (1, 2, 8)]
+    rows = [("balanced long-tail (headline)", base), ("balanced long-tail, k=0 (synchronous)", base.synchronous())]
+    rows += [(f"balanced long-tail, k={k}", base.model_copy(update={"max_staleness": k})) for k in (1, 2, 6, 8)]
+    rows += [(f"balanced long-tail, k={k}, abort stale groups (proposed)",
+              base.model_copy(update={"max_staleness": k, "abort_stale_groups": True})) for k in (2, 4)]
     rows.append(("balanced long-tail, no partial rollouts", base.model_copy(update={"partial_rollouts": False})))
     rows.append(("generation-bound (learner 2x faster)", balanced(base, training_over_generation=2.0)))
     rows.append(("training-bound (learner 2x slower)", balanced(base, training_over_generation=0.5)))
@@ -36,8 +38,8 @@ def fmt_drops(result: SimulationResult) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engines", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     base = balanced(SimulatorConfig(num_engines=args.engines, prompts_per_step=8 * args.engines, steps=args.steps,
@@ -51,7 +53,7 @@ def main() -> None:
           f"{cap['sync_seconds']} s; learner {cap['learner_fixed_seconds']} + {cap['learner_seconds_per_token']:.3g}"
           f" * tokens s; steps {args.steps} (first {args.warmup} not measured)\n")
     header = ("| scenario | engines | k | partial | throughput tok/s | gen cap | train cap | ideal | of ideal | "
-              "learner idle | x sync | max stale | drops (groups) | sim wall s |")
+              "gen util | learner idle | x sync | max stale | drops (groups) | sim wall s |")
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     sync_cache: dict[SimulatorConfig, SimulationResult] = {}
@@ -66,7 +68,8 @@ def main() -> None:
         c = result.capacities
         print(f"| {name} | {cfg.num_engines} | {cfg.max_staleness} | {'yes' if cfg.partial_rollouts and cfg.max_staleness else 'no'} "
               f"| {result.throughput:,.0f} | {c['generation_capacity']:,.0f} | {c['training_capacity']:,.0f} "
-              f"| {c['ideal']:,.0f} | {result.fraction_of_ideal:.3f} | {result.learner_idle_frac:.3f} "
+              f"| {c['ideal']:,.0f} | {result.fraction_of_ideal:.3f} "
+              f"| {result.generated_tokens_per_s / c['decode_capacity']:.3f} | {result.learner_idle_frac:.3f} "
               f"| {result.throughput / sync.throughput:.2f} | {result.max_staleness_observed} | {fmt_drops(result)} "
               f"| {wall:.1f} |", flush=True)
     print("\nsynchronous baselines (k=0, no partial rollouts, prompts_in_flight = batch / engines):")

@@ -150,8 +150,8 @@ def warm_start(
     batch: int,
     seed: int,
     target_accuracy: float = 1.0,
-    check_every: int = 25,
-    num_check_problems: int = 200,
+    check_every: int = 10,
+    num_check_problems: int = 500,
 ) -> dict[str, float]:
     """Supervised training on train-split problems (loss on the answer tokens and EOS only); saves in place.
 

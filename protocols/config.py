@@ -16,6 +16,9 @@ from protocols.model import ModelConfig
 from protocols.reward import RewardConfig
 
 
+DEFAULT_PRESET = "dapo"
+
+
 class ClusterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -145,12 +148,20 @@ class RunConfig(BaseModel):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
-    algorithm: AlgorithmConfig = Field(default_factory=lambda: AlgorithmConfig(preset="dapo"))
-    """Objective (see learner/ALGORITHMS.md). The embedded demo defaults to DAPO: dynamic sampling keeps only
-    groups with a learning signal, which measured +18 points in 400 steps against +10 for GRPO in 500. A YAML
-    `algorithm:` section without `preset` gets AlgorithmConfig's own default, grpo."""
+    algorithm: AlgorithmConfig = Field(default_factory=lambda: AlgorithmConfig(preset=DEFAULT_PRESET))
+    """Objective (see learner/ALGORITHMS.md). Without `preset`, a run uses DEFAULT_PRESET (dapo) under any
+    fields given: on the demo, dynamic sampling (train only on groups with a signal) measured +18 points of
+    held-out accuracy in 400 steps against +10 for grpo in 500."""
     train: TrainConfig = Field(default_factory=TrainConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_preset(cls, data: Any) -> Any:
+        # `algorithm.kl.beta=0` alone must not switch the run to another preset's defaults.
+        if isinstance(data, dict) and isinstance(data.get("algorithm"), dict):
+            data = {**data, "algorithm": {"preset": DEFAULT_PRESET, **data["algorithm"]}}
+        return data
 
     @model_validator(mode="after")
     def _check_batch_split(self) -> "RunConfig":

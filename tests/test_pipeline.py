@@ -20,21 +20,20 @@ def demo_config(tmp_path: Path, *overrides: str):
 
 
 def test_on_policy_run_trains_only_current_samples_and_raises_reward(ray_cluster, tmp_path):
-    cfg = demo_config(tmp_path, "train.steps=60", "train.max_staleness=0", "learner.lr=2e-4",
-                      "algorithm.kl.beta=0")
+    cfg = demo_config(tmp_path, "train.steps=100", "train.max_staleness=0", "learner.prompts_per_step=16")
     trainer = Trainer(cfg)
     try:
         summary = trainer.run()
     finally:
         trainer.shutdown()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 60
+    assert len(rows) == 100
     # max_staleness 0: every trained sample was generated entirely by the learner's current weights
     assert all(r["staleness/max"] == 0 and r["staleness/hist_0"] == 1.0 for r in rows)
-    first = sum(r["reward/mean"] for r in rows[:15]) / 15
-    last = sum(r["reward/mean"] for r in rows[-15:]) / 15
-    assert last > first + 0.05, (first, last)
-    assert summary["accuracy_after"] > summary["accuracy_before"]
+    # 20 steps x 128 samples: the standard error of each mean is about 0.01, the gain seen here about 0.06
+    first = sum(r["reward/accuracy"] for r in rows[:20]) / 20
+    last = sum(r["reward/accuracy"] for r in rows[-20:]) / 20
+    assert last > first + 0.025, (first, last)
     # the run folder: resolved config, TensorBoard events, summary, and an HF model transformers loads
     assert (tmp_path / "config.yaml").is_file() and list((tmp_path / "tensorboard").iterdir())
     from transformers import AutoModelForCausalLM, AutoTokenizer
