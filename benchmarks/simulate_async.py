@@ -15,9 +15,9 @@ from cluster.simulator import SimulationResult, SimulatorConfig, balanced, simul
 def scenarios(base: SimulatorConfig) -> list[tuple[str, SimulatorConfig]]:
     """(name, config) rows; `base` is the balanced long-tailed headline."""
     rows = [("balanced long-tail (headline)", base), ("balanced long-tail, k=0 (synchronous)", base.synchronous())]
-    rows += [(f"balanced long-tail, k={k}", base.model_copy(update={"max_staleness": k})) for k in (1, 2, 6, 8)]
-    rows += [(f"balanced long-tail, k={k}, abort stale groups (proposed)",
-              base.model_copy(update={"max_staleness": k, "abort_stale_groups": True})) for k in (2, 4)]
+    rows += [(f"balanced long-tail, k={k}", base.model_copy(update={"max_staleness": k})) for k in (1, 2, 4, 8)]
+    rows.append(("balanced long-tail, prompts_in_flight 8 (= max_num_seqs / G)",
+                 base.model_copy(update={"prompts_in_flight": 8})))
     rows.append(("balanced long-tail, no partial rollouts", base.model_copy(update={"partial_rollouts": False})))
     rows.append(("generation-bound (learner 2x faster)", balanced(base, training_over_generation=2.0)))
     rows.append(("training-bound (learner 2x slower)", balanced(base, training_over_generation=0.5)))

@@ -50,8 +50,9 @@ class SimulatorConfig(BaseModel):
     prompts_per_step: int = Field(512, ge=1)
     """Groups per learner batch (learner.prompts_per_step)."""
 
-    max_staleness: int = Field(4, ge=0)
-    """train.max_staleness: 0 is the synchronous baseline (generate a batch, train, load weights)."""
+    max_staleness: int = Field(5, ge=0)
+    """train.max_staleness: 0 is the synchronous baseline (generate a batch, train, load weights). With long
+    tails it must cover the versions that pass while the longest response decodes, or those groups go stale."""
 
     partial_rollouts: bool = True
     """train.partial_rollouts: in-flight requests continue under new weights (only with max_staleness > 0)."""
@@ -95,10 +96,6 @@ class SimulatorConfig(BaseModel):
     token_chunk: int = Field(128, ge=1)
     """Simulated tokens per stored token id. Each stored entry carries the version of its chunk's first token,
     so a trajectory's min_version is exact while records stay small; 1 stores every token."""
-
-    abort_stale_groups: bool = False
-    """Proposed worker change, not in RolloutWorker yet: after loading version v, abort in-flight groups whose
-    oldest token is older than v - max_staleness (the queue would drop them) and report them dropped."""
 
     num_prompts: int = Field(4096, ge=1)
     """Training prompts, each with a success rate drawn uniformly from [0, 1] for the Bernoulli rewards."""
@@ -345,26 +342,7 @@ class Simulation:
         e.version, e.newer, e.syncing = version, None, False
         e.versions_seen.append(version)
         e.version_changes.append((e.steps, version))
-        if self.cfg.abort_stale_groups:
-            self._abort_stale(e, version - self.cfg.max_staleness)
         self._decide(e, now)
-
-    def _abort_stale(self, e: _Engine, oldest_allowed: int) -> None:
-        doomed = set()
-        for group_id, group in e.active.items():
-            started = [s.start_step for s in group.sequences if s.start_step >= 0]
-            if started and _stamp(min(started), 1, e.version_changes, 1)[0] < oldest_allowed:
-                doomed.add(group_id)
-        if not doomed:
-            return
-        for group_id in doomed:
-            group = e.active.pop(group_id)
-            group.sequences = []
-        e.running = [item for item in e.running if item[2].group.group_id not in doomed]
-        heapq.heapify(e.running)
-        e.waiting = deque(s for s in e.waiting if s.group.group_id not in doomed)
-        self.controller.report_dropped("stale_in_flight", len(doomed))
-        self.dropped_ids.setdefault("stale_in_flight", []).extend(sorted(doomed))
 
     def _start_group(self, e: _Engine, group_id: str, prompt: Prompt) -> None:
         rng = random.Random(f"{self.cfg.seed}/{group_id}")

@@ -183,7 +183,9 @@ class Trainer:
         publish_s = time.perf_counter() - t0
         correct = [bool(t.result and t.result.correct) for t in trajectories]
         num_tokens = int(bt["lengths"].sum())
+        errors = Counter(t.result.error for t in trajectories if t.result and t.result.error)
         return {
+            **{f"reward/error_{kind}": count for kind, count in errors.items()},
             **finalize_metrics(summed),
             **staleness_metrics(trajectories, self.version - 1),
             "reward/mean": float(bt["rewards"].mean()),
