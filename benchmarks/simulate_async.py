@@ -66,7 +66,8 @@ def main() -> None:
             sync_cache[sync_cfg] = result if sync_cfg == cfg else simulate(sync_cfg)
         sync = sync_cache[sync_cfg]
         c = result.capacities
-        print(f"| {name} | {cfg.num_engines} | {cfg.max_staleness} | {'yes' if cfg.partial_rollouts and cfg.max_staleness else 'no'} "
+        partial = "yes" if cfg.partial_rollouts and cfg.max_staleness else "no"
+        print(f"| {name} | {cfg.num_engines} | {cfg.max_staleness} | {partial} "
               f"| {result.throughput:,.0f} | {c['generation_capacity']:,.0f} | {c['training_capacity']:,.0f} "
               f"| {c['ideal']:,.0f} | {result.fraction_of_ideal:.3f} "
               f"| {result.generated_tokens_per_s / c['decode_capacity']:.3f} | {result.learner_idle_frac:.3f} "

@@ -234,6 +234,8 @@ class _Engine:
 
 
 class Simulation:
+    """One run: the real controller, `num_engines` engine stand-ins and a learner stand-in on one event heap."""
+
     def __init__(self, cfg: SimulatorConfig) -> None:
         self.cfg = cfg
         prompts = [Prompt(prompt_id=f"sim/{i}", prompt_token_ids=[1], metadata={"success_rate": p})
