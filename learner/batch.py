@@ -1,7 +1,8 @@
 """Turning trajectories into padded tensors, and scoring responses with a causal LM.
 
-A sample is prompt + response, right-padded into one row; `response_index` says where each response token sits
-so that per-token tensors are `(B, T)` over response positions only. Pure torch: no Ray, vLLM or DeepSpeed.
+A row is [left padding, prompt, response, right padding]: every response starts at the same column P, so the
+model computes logits for the last T + 1 positions only (`logits_to_keep`), never (B, L, V). Per-token tensors
+are `(B, T)` over response positions. Pure torch: no Ray, vLLM or DeepSpeed.
 """
 
 from dataclasses import dataclass
@@ -15,8 +16,8 @@ class SampleBatch:
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
-    response_index: torch.Tensor
-    """(B, T) position in `input_ids` of each response token (0 where padded)."""
+    position_ids: torch.Tensor
+    """(B, L) positions counted from each prompt's first token, as vLLM counts them."""
     loss_mask: torch.Tensor
     """(B, T) bool: True on real response tokens."""
     response_ids: torch.Tensor
@@ -24,21 +25,21 @@ class SampleBatch:
 
 
 def collate(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int) -> SampleBatch:
-    lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
-    batch, max_len = len(prompt_ids), max(lengths)
-    max_resp = max(1, max(len(r) for r in response_ids))
-    input_ids = torch.full((batch, max_len), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((batch, max_len), dtype=torch.long)
-    response_index = torch.zeros((batch, max_resp), dtype=torch.long)
-    loss_mask = torch.zeros((batch, max_resp), dtype=torch.bool)
-    resp = torch.full((batch, max_resp), pad_id, dtype=torch.long)
+    batch = len(prompt_ids)
+    width_p = max(len(p) for p in prompt_ids)
+    width_t = max(1, max(len(r) for r in response_ids))
+    input_ids = torch.full((batch, width_p + width_t), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch, width_p + width_t), dtype=torch.long)
+    loss_mask = torch.zeros((batch, width_t), dtype=torch.bool)
+    resp = torch.full((batch, width_t), pad_id, dtype=torch.long)
     for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
-        input_ids[i, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
-        attention_mask[i, : len(p) + len(r)] = 1
-        response_index[i, : len(r)] = torch.arange(len(p), len(p) + len(r))
+        start = width_p - len(p)
+        input_ids[i, start: width_p + len(r)] = torch.tensor(p + r, dtype=torch.long)
+        attention_mask[i, start: width_p + len(r)] = 1
         loss_mask[i, : len(r)] = True
         resp[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-    return SampleBatch(input_ids, attention_mask, response_index, loss_mask, resp)
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    return SampleBatch(input_ids, attention_mask, position_ids, loss_mask, resp)
 
 
 def pad_per_token(values: list[list[float]], width: int) -> torch.Tensor:
@@ -52,13 +53,13 @@ def pad_per_token(values: list[list[float]], width: int) -> torch.Tensor:
 def response_logits(model: torch.nn.Module, batch: SampleBatch, temperature: float) -> torch.Tensor:
     """(B, T, V) logits that predict each response token, divided by the sampling temperature.
 
-    The token at position p is predicted by the output at p - 1; only those rows are kept, so the full
-    (B, L, V) tensor is never turned into log-probs.
+    Response token j sits at column P + j and is predicted by the output at P + j - 1, so the last T + 1 output
+    positions are computed and the final one dropped.
     """
-    hidden = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    predict_at = (batch.response_index - 1).clamp(min=0)
-    logits = torch.gather(hidden, 1, predict_at.unsqueeze(-1).expand(-1, -1, hidden.size(-1)))
-    return logits.float() / temperature
+    width_t = batch.loss_mask.size(1)
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                logits_to_keep=width_t + 1)
+    return out.logits[:, :width_t].float() / temperature
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

@@ -95,7 +95,7 @@ class LearnerRank:
 
     def _to(self, batch):
         dev = self._device()
-        for name in ("input_ids", "attention_mask", "response_index", "loss_mask", "response_ids"):
+        for name in ("input_ids", "attention_mask", "position_ids", "loss_mask", "response_ids"):
             setattr(batch, name, getattr(batch, name).to(dev))
         return batch
 
