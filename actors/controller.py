@@ -53,15 +53,21 @@ class RolloutController:
 
         admitted - dropped < (w + max_staleness + 1) * prompts_per_step
 
-    so every admitted group is trained by step w + max_staleness at the latest, and at most
-    (max_staleness + 1) batches are queued or in flight: memory stays bounded and workers slow down by themselves.
+    so at most (max_staleness + 1) batches are queued or in flight: memory stays bounded and workers slow down by
+    themselves. Groups that finish out of order can still arrive too old; the queue drops and counts those, which
+    is what enforces the bound. A group is as old as its oldest token, so max_staleness must cover the longest
+    responses: roughly k >= (longest / mean response length) * (engine slots / samples per batch) + 1.
+
+    At max_staleness 0, each worker is granted at most its fair share ceil(prompts_per_step / num_workers) of
+    groups in flight, so one fast-asking worker does not take the whole batch while the others idle.
     """
 
     def __init__(self, prompts: list[Prompt], prompts_per_step: int, max_staleness: int,
-                 drop_zero_variance: bool, seed: int) -> None:
+                 drop_zero_variance: bool, seed: int, num_workers: int = 1) -> None:
         self.cursor = PromptCursor(prompts, seed)
         self.prompts_per_step = prompts_per_step
         self.max_staleness = max_staleness
+        self.num_workers = num_workers
         self.queue = ReplayQueue(max_staleness, drop_zero_variance)
         self.admitted = 0
         self.learner_version = 0
@@ -76,10 +82,15 @@ class RolloutController:
         limit = (worker_version + self.max_staleness + 1) * self.prompts_per_step
         return max(0, limit - (self.admitted - dropped))
 
-    def acquire(self, worker_id: int, worker_version: int, max_groups: int) -> tuple[bool, list[tuple[str, Prompt]]]:
-        """Up to `max_groups` prompts the worker may start now, as (group_id, prompt); first value: stop flag."""
+    def acquire(self, worker_id: int, worker_version: int, max_groups: int,
+                in_flight: int = 0) -> tuple[bool, list[tuple[str, Prompt]]]:
+        """Up to `max_groups` prompts the worker may start now, as (group_id, prompt); first value: stop flag.
+        `in_flight` is the number of groups the worker is still generating."""
         if self.stopped:
             return True, []
+        if self.max_staleness == 0:
+            fair_share = -(-self.prompts_per_step // self.num_workers)
+            max_groups = min(max_groups, fair_share - in_flight)
         granted = []
         for _ in range(min(max_groups, self.budget(worker_version))):
             group_id = f"g{self.admitted}"
@@ -87,6 +98,10 @@ class RolloutController:
             self._admitted_by_worker[worker_id] += 1
             granted.append((group_id, self.cursor.next()))
         return False, granted
+
+    def poll(self, known_version: int) -> tuple[bool, tuple[int, list] | None]:
+        """What a worker checks at each safe point, in one call: (stop flag, newer weights or None)."""
+        return self.stopped, self.latest_weights(known_version)
 
     def latest_weights(self, known_version: int) -> tuple[int, list] | None:
         """(version, [weights ref]) when newer than `known_version`, else None."""

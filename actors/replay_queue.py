@@ -21,7 +21,8 @@ class ReplayQueue:
     def __init__(self, max_staleness: int, drop_zero_variance: bool) -> None:
         self.max_staleness = max_staleness
         self.drop_zero_variance = drop_zero_variance
-        self._groups: deque[TrajectoryGroup] = deque()
+        # (oldest token version, group): the version is computed once at put, not at every poll of `take`.
+        self._groups: deque[tuple[int, TrajectoryGroup]] = deque()
         self.received = 0
         self.trained = 0
         self.dropped: Counter[str] = Counter()
@@ -35,13 +36,15 @@ class ReplayQueue:
         if self.drop_zero_variance and not group_has_signal(group.rewards):
             self.dropped["zero_variance"] += 1
             return False
-        self._groups.append(group)
+        self._groups.append((group.min_version, group))
         return True
 
     def drop_stale(self, learner_version: int) -> int:
         """Drop groups whose oldest token is more than max_staleness versions behind the learner."""
         oldest_allowed = learner_version - self.max_staleness
-        kept = deque(g for g in self._groups if g.min_version >= oldest_allowed)
+        if all(version >= oldest_allowed for version, _ in self._groups):
+            return 0
+        kept = deque(item for item in self._groups if item[0] >= oldest_allowed)
         dropped = len(self._groups) - len(kept)
         self._groups = kept
         self.dropped["stale"] += dropped
@@ -52,20 +55,21 @@ class ReplayQueue:
         self.drop_stale(learner_version)
         if len(self._groups) < num_groups:
             return None
-        batch = [self._groups.popleft() for _ in range(num_groups)]
+        batch = [self._groups.popleft()[1] for _ in range(num_groups)]
         self.trained += num_groups
         return batch
 
     def state_dict(self) -> dict:
         return {
-            "groups": [g.model_dump(mode="json") for g in self._groups],
+            "groups": [g.model_dump(mode="json") for _, g in self._groups],
             "received": self.received,
             "trained": self.trained,
             "dropped": dict(self.dropped),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self._groups = deque(TrajectoryGroup.model_validate(g) for g in state["groups"])
+        groups = (TrajectoryGroup.model_validate(g) for g in state["groups"])
+        self._groups = deque((g.min_version, g) for g in groups)
         self.received = state["received"]
         self.trained = state["trained"]
         self.dropped = Counter(state["dropped"])

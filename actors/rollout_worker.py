@@ -102,9 +102,6 @@ class RolloutWorker:
         self.sync_seconds += seconds
         return seconds
 
-    def _newer_weights(self):
-        return ray.get(self.controller.latest_weights.remote(self.version))
-
     # --- the streaming loop ------------------------------------------------------------------------------------
     def _sampling_params(self, group_id: str, index: int):
         from vllm import SamplingParams
@@ -180,17 +177,20 @@ class RolloutWorker:
         newer = None
         while True:
             if stats["steps"] % cfg.rollout.weight_sync_interval_steps == 0 or not active:
-                newer = newer or self._newer_weights()
+                stop, polled = ray.get(self.controller.poll.remote(self.version))
+                newer = polled or newer
+            if stop:
+                break
             if newer and (partial or not active):
                 self.load_weights(*newer)
                 newer = None
             free = cfg.rollout.prompts_in_flight - len(active)
-            if not stop and free > 0 and newer is None:
-                stop, granted = ray.get(self.controller.acquire.remote(self.worker_id, self.version, free))
+            if free > 0 and newer is None:
+                stop, granted = ray.get(self.controller.acquire.remote(self.worker_id, self.version, free, len(active)))
                 for group_id, prompt in granted:
                     self._start_group(group_id, prompt, active, requests)
-            if stop:
-                break
+                if stop:
+                    break
             if self.engine.has_unfinished_requests():
                 t0 = time.perf_counter()
                 outputs = self.engine.step()

@@ -448,7 +448,7 @@ class Simulation:
         dropped_ids = {**self.dropped_ids, "stale": sorted(stale, key=lambda g: int(g[1:]))}
         return SimulationResult(
             throughput=tokens / window, capacities=capacities(cfg),
-            learner_idle_frac=1 - sum(self.step_seconds[w:n]) / window,
+            learner_idle_frac=max(0.0, 1 - sum(self.step_seconds[w:n]) / window),  # float noise
             generated_tokens_per_s=(self.decoded_at_step[n] - self.decoded_at_step[w]) / window,
             max_staleness_observed=self.max_lag, min_lag_observed=int(self.min_lag),
             drops=dict(self.controller.queue.dropped), admitted=self.controller.admitted,

@@ -124,7 +124,7 @@ class Trainer:
         start_ray(cfg)
         self.controller = ray.remote(RolloutController).options(num_cpus=0).remote(
             self.train_prompts, cfg.learner.prompts_per_step, cfg.train.max_staleness,
-            cfg.algorithm.dynamic_sampling, cfg.train.seed)
+            cfg.algorithm.dynamic_sampling, cfg.train.seed, cfg.rollout.num_workers)
         self.reward_workers = [ray.remote(RewardWorker).options(**reward_options(cfg)).remote(cfg.reward, i)
                                for i in range(cfg.reward.num_workers)]
         self.learner = LearnerGroup(cfg, self.model_path)

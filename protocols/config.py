@@ -68,8 +68,10 @@ class RolloutConfig(BaseModel):
     max_num_seqs: int = Field(256, ge=1)
     """Sequences one engine decodes at once."""
 
-    prompts_in_flight: int = Field(16, ge=1)
-    """Prompts (groups) a worker keeps in its engine at once; more keeps the engine fuller."""
+    prompts_in_flight: int = Field(64, ge=1)
+    """Groups a worker keeps in its engine at once (each holds samples_per_prompt sequences). A group holds its
+    slots until its longest sample ends, so about 4 * max_num_seqs / samples_per_prompt keeps the engine full;
+    admission (train.max_staleness) caps it further."""
 
     weight_sync_interval_steps: int = Field(1, ge=1)
     """Engine decode steps between checks for new weights. 1 loads a new version at the next safe point."""

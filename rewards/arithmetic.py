@@ -72,31 +72,24 @@ def problem_text(a: int, b: int) -> str:
     return f"{a}+{b}="
 
 
-def _encode_prompt(text: str, cfg: DataConfig, tokenizer: Any) -> list[int]:
-    # The demo tokenizer has no chat template: its post-processor adds BOS, which is what the model was trained on.
-    if cfg.use_chat_template and getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
-        messages.append({"role": "user", "content": text})
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
-    return list(tokenizer(text)["input_ids"])
-
-
 def load_arithmetic_prompts(
     cfg: DataConfig, split: Split, tokenizer: Any, seed: int = 0
 ) -> tuple[list[Prompt], dict[str, int]]:
     """Prompts of one split (`arithmetic_num_train` for train, `num_eval_prompts` for test) and loader counts.
 
-    Prompts longer than `cfg.max_prompt_tokens` are skipped, never truncated, and counted.
+    The text `a+b=` goes through `data.prompt_template` and the chat template like any dataset's (both are
+    no-ops for the demo tokenizer with default settings, which then only puts BOS in front). Prompts longer
+    than `cfg.max_prompt_tokens` are skipped, never truncated, and counted.
     """
+    # Imported here: rewards.datasets dispatches to this module, so a top-level import would be circular.
+    from rewards.datasets import encode_prompt
+
     count = cfg.arithmetic_num_train if split == "train" else cfg.num_eval_prompts
     prompts: list[Prompt] = []
     skipped = 0
     for i, (a, b) in enumerate(arithmetic_problems(cfg.arithmetic_max_operand, split, count, seed)):
-        text = problem_text(a, b)
-        ids = _encode_prompt(text, cfg, tokenizer)
+        text = cfg.prompt_template.replace("{prompt}", problem_text(a, b))
+        ids = encode_prompt(text, cfg, tokenizer)
         if len(ids) > cfg.max_prompt_tokens:
             skipped += 1
             continue
@@ -106,10 +99,9 @@ def load_arithmetic_prompts(
                 prompt_token_ids=ids,
                 prompt_text=text,
                 answer=str(a + b),
-                verifier="arithmetic",
             )
         )
-    return prompts, {"data/skipped_too_long": skipped}
+    return prompts, {"data/loaded": len(prompts), "data/skipped_too_long": skipped}
 
 
 @register_verifier("arithmetic")

@@ -96,3 +96,20 @@ def test_cursor_visits_every_prompt_once_per_epoch():
     assert first == {"p0", "p1", "p2", "p3"} and cursor.epoch == 0
     cursor.next()
     assert cursor.epoch == 1
+
+
+def test_synchronous_admission_splits_the_batch_over_workers():
+    # prompts_per_step 4 over 2 workers at max_staleness 0: each may hold ceil(4 / 2) = 2 groups in flight
+    c = RolloutController(make_prompts(10), prompts_per_step=4, max_staleness=0, drop_zero_variance=False, seed=0,
+                          num_workers=2)
+    assert len(c.acquire(worker_id=0, worker_version=0, max_groups=10, in_flight=0)[1]) == 2
+    assert c.acquire(worker_id=0, worker_version=0, max_groups=10, in_flight=2)[1] == []
+    assert len(c.acquire(worker_id=1, worker_version=0, max_groups=10, in_flight=0)[1]) == 2
+
+
+def test_poll_reports_stop_and_newer_weights_in_one_call():
+    c = RolloutController(make_prompts(2), prompts_per_step=1, max_staleness=0, drop_zero_variance=False, seed=0)
+    assert c.poll(known_version=0) == (False, None)
+    c.publish(1, ["ref"])
+    c.stop()
+    assert c.poll(known_version=0) == (True, (1, ["ref"]))

@@ -1,0 +1,516 @@
+"""Learner throughput on one GPU: `LearnerRank.train_step` (DeepSpeed ZeRO-2, bf16, torch AdamW) against a plain
+torch loop over the same micro-batches, plus the weight-publish path. A script, not a test; it needs CUDA.
+
+    python benchmarks/learner_gpu.py                      # Qwen2.5-0.5B shape, responses 1024 and 4096
+    python benchmarks/learner_gpu.py --shapes 0.5b,1.5b   # also the 1.5B shape
+    python benchmarks/learner_gpu.py --out results/       # also writes table.txt and results.json
+
+No downloads: it builds a random-init Qwen2 model of the named shape with a trivial tokenizer in a temp folder.
+Each configuration runs three learners on identical synthetic micro-batches (prompt 256 tokens, fixed response
+length, advantages +-1, behavior log-probs ~ -2; preset dapo, so no reference model and no entropy bonus):
+
+  ds       LearnerRank.train_step: DeepSpeed ZeRO-2 engine, bf16 with fp32 master weights (what relayrl runs).
+  plain    plain torch, the learner's own scoring (learner.batch.response_logits -> token_logprobs, entropy metric
+           as in train_step) and compute_policy_loss; backward; fp32 master weights with fp32 gradient
+           accumulation, grad-norm clipping and torch AdamW on the masters, copied back to bf16: the same
+           arithmetic as DeepSpeed's bf16 path, minus DeepSpeed. ds/plain is DeepSpeed's overhead.
+  chunked  as plain, but log-probs come from the decoder's hidden states through the LM head in checkpointed
+           chunks of --chunk-tokens positions, so (B, T, V) logits are never materialised: what a fused
+           "linear + log-softmax" scorer would save in memory and time.
+
+Timed steps exclude warm-up; torch.cuda.synchronize() brackets every timing. TFLOP/s is the usual *model*
+estimate 6 * params * total tokens / time (no attention term, no recompute under gradient checkpointing), so it
+understates the hardware's work, more so for long sequences and with checkpointing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SHAPES = {
+    # Qwen2.5-0.5B / 1.5B: same layout, random weights.
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864),
+    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                 intermediate_size=8960),
+    # For a CPU smoke test of the script only (--allow-cpu).
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                 intermediate_size=128),
+}
+VOCAB = 151936
+PAD_ID = 151643  # Qwen2.5's <|endoftext|>, its pad token
+
+
+# --------------------------------------------------------------------------------------------- model folder
+
+
+def build_model_folder(shape: str, root: Path, vocab: int, device: str) -> tuple[Path, int]:
+    """Random-init Qwen2 of the named shape plus a trivial tokenizer, saved as a Hugging Face folder."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    folder = root / f"qwen2-{shape}"
+    pad_id = min(PAD_ID, vocab - 1)
+    config = Qwen2Config(vocab_size=vocab, tie_word_embeddings=True, max_position_embeddings=32768,
+                         rope_theta=1_000_000.0, rms_norm_eps=1e-6, pad_token_id=pad_id, bos_token_id=pad_id,
+                         eos_token_id=pad_id, **SHAPES[shape])
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16 if device == "cuda" else torch.float32)
+    n_params = sum(p.numel() for p in model.parameters())  # tied head counted once
+    model.save_pretrained(folder)
+    del model
+    tok = Tokenizer(WordLevel({"<unk>": 0, "a": 1, "b": 2}, unk_token="<unk>"))
+    tok.pre_tokenizer = Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<unk>").save_pretrained(folder)
+    return folder, n_params
+
+
+# ------------------------------------------------------------------------------------------- synthetic data
+
+
+def make_shard(n: int, prompt_len: int, resp_len: int, vocab: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, vocab, (n, prompt_len), generator=g).tolist()
+    responses = torch.randint(0, vocab, (n, resp_len), generator=g).tolist()
+    signs = [1.0 if i % 2 == 0 else -1.0 for i in range(n)]
+    behavior = (-2.0 + 0.5 * torch.randn(n, resp_len, generator=g)).clamp(max=-1e-3).tolist()
+    return {
+        "prompt_ids": prompts,
+        "response_ids": responses,
+        "behavior_logprobs": behavior,
+        "advantages": [[s] * resp_len for s in signs],
+        "sample_mask": [True] * n,
+    }
+
+
+# --------------------------------------------------------------------------------------------- timing helpers
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+
+
+def reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+@dataclass
+class Phases:
+    """Seconds of one instrumented step, split by synchronising around backward and the optimizer."""
+
+    fwd: float = 0.0
+    bwd: float = 0.0
+    opt: float = 0.0
+
+
+@dataclass
+class Result:
+    shape: str
+    variant: str
+    resp_len: int
+    micro_batch: int
+    grad_ckpt: bool
+    samples_per_step: int
+    steps_timed: int
+    s_per_step: float = float("nan")
+    resp_tok_s: float = float("nan")
+    total_tok_s: float = float("nan")
+    model_tflops: float = float("nan")
+    peak_gib: float = float("nan")
+    phases: dict = field(default_factory=dict)
+    setup_s: float = float("nan")
+    first_loss: float = float("nan")
+    """Loss of the first warm-up step: the three variants must agree (same data, same initial weights)."""
+    error: str = ""
+
+
+# ------------------------------------------------------------------------------------------------- runners
+
+
+def run_ds(cfg, folder: Path, shard: dict, normalizer, port: int, warmup: int, steps: int, res: Result,
+           publish: bool, publish_reps: int) -> dict | None:
+    from learner.learner_actor import LearnerRank
+    from learner.weight_transport import pack_state_dict, packed_num_bytes
+
+    t0 = time.perf_counter()
+    learner = LearnerRank(cfg, rank=0, world_size=1, model_path=str(folder))
+    learner.setup("127.0.0.1", port)
+    sync()
+    res.setup_s = time.perf_counter() - t0
+    for i in range(warmup):
+        metrics = learner.train_step(shard, normalizer)
+        if i == 0:
+            res.first_loss = metrics["loss"]
+    sync()
+    reset_peak()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        learner.train_step(shard, normalizer)
+    sync()
+    res.s_per_step = (time.perf_counter() - t0) / steps
+    res.peak_gib = peak_gib()
+
+    # One more step with synchronising wrappers around DeepSpeed's backward and step: the phase split.
+    eng = learner.engine
+    ph = Phases()
+    orig_backward, orig_step = eng.backward, eng.step
+
+    def timed(fn, slot):
+        def wrapper(*a, **k):
+            sync()
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            sync()
+            setattr(ph, slot, getattr(ph, slot) + time.perf_counter() - t)
+            return out
+        return wrapper
+
+    eng.backward, eng.step = timed(orig_backward, "bwd"), timed(orig_step, "opt")
+    sync()
+    t0 = time.perf_counter()
+    learner.train_step(shard, normalizer)
+    sync()
+    total = time.perf_counter() - t0
+    ph.fwd = total - ph.bwd - ph.opt  # forward, scoring, loss, collate and metric syncs
+    res.phases = asdict(ph)
+    eng.backward, eng.step = orig_backward, orig_step
+
+    pub = None
+    if publish:
+        full, pack, nbytes, ntensors = [], [], 0, 0
+        for _ in range(publish_reps):
+            sync()
+            t = time.perf_counter()
+            state = learner._full_state_dict()
+            t1 = time.perf_counter()
+            packed = pack_state_dict(state)
+            t2 = time.perf_counter()
+            full.append(t1 - t)
+            pack.append(t2 - t1)
+            nbytes, ntensors = packed_num_bytes(packed), len(packed)
+            del state, packed
+        pub = {"bytes": nbytes, "full_state_dict_s": min(full), "pack_state_dict_s": min(pack),
+               "total_s": min(a + b for a, b in zip(full, pack)), "reps": publish_reps, "tensors": ntensors}
+        pub["GB_per_s"] = nbytes / pub["total_s"] / 1e9
+    if hasattr(learner.engine, "destroy"):
+        learner.engine.destroy()
+    del learner, eng, orig_backward, orig_step
+    free_memory()
+    return pub
+
+
+def _chunked_scores(model, batch, temperature: float, chunk_tokens: int):
+    """(B, T) log-probs with grad and entropy without grad, never holding (B, T, V) logits."""
+    from torch.utils.checkpoint import checkpoint
+
+    hidden = model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+    predict_at = (batch.response_index - 1).clamp(min=0)
+    h = torch.gather(hidden, 1, predict_at.unsqueeze(-1).expand(-1, -1, hidden.size(-1)))
+    b, t, d = h.shape
+    h = h.reshape(b * t, d)
+    ids = batch.response_ids.reshape(b * t)
+    head = model.lm_head
+
+    def chunk_fn(hc, idc):
+        z = head(hc).float() / temperature
+        lse = torch.logsumexp(z, dim=-1)
+        lp = torch.gather(z, -1, idc.unsqueeze(-1)).squeeze(-1) - lse
+        with torch.no_grad():
+            ent = lse - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
+        return lp, ent
+
+    lps, ents = [], []
+    for s in range(0, b * t, chunk_tokens):
+        lp, ent = checkpoint(chunk_fn, h[s:s + chunk_tokens], ids[s:s + chunk_tokens], use_reentrant=False)
+        lps.append(lp)
+        ents.append(ent)
+    return torch.cat(lps).view(b, t), torch.cat(ents).view(b, t)
+
+
+def run_plain(cfg, folder: Path, shard: dict, normalizer, warmup: int, steps: int, res: Result,
+              chunked: bool, chunk_tokens: int) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from learner.batch import collate, pad_per_token, response_logits, token_logprobs
+    from learner.learner_actor import DTYPES, micro_batches
+    from learner.objective import PolicyLossInputs, compute_policy_loss, entropy_from_logits
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=DTYPES[cfg.model.dtype]).to(dev)
+    if cfg.learner.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    masters = [p.detach().float().clone() for p in params]
+    for m in masters:
+        m.grad = torch.zeros_like(m)
+    lc = cfg.learner
+    opt = torch.optim.AdamW(masters, lr=lc.lr, betas=lc.betas, weight_decay=lc.weight_decay)
+    sync()
+    res.setup_s = time.perf_counter() - t0
+    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    temp = cfg.rollout.temperature
+    slices = micro_batches(len(shard["prompt_ids"]), lc.micro_batch_size)
+    ph = Phases()
+
+    def step(instrument: bool) -> float:
+        total_loss = 0.0
+        for sl in slices:
+            t = time.perf_counter()
+            batch = collate(shard["prompt_ids"][sl], shard["response_ids"][sl], pad_id)
+            for name in ("input_ids", "attention_mask", "response_index", "loss_mask", "response_ids"):
+                setattr(batch, name, getattr(batch, name).to(dev))
+            width = batch.loss_mask.size(1)
+            sample_mask = torch.tensor(shard["sample_mask"][sl], dtype=torch.bool, device=dev)
+            loss_mask = batch.loss_mask & sample_mask[:, None]
+            if chunked:
+                logprobs, entropy = _chunked_scores(model, batch, temp, chunk_tokens)
+            else:
+                logits = response_logits(model, batch, temp)
+                logprobs = token_logprobs(logits, batch.response_ids)
+                with torch.no_grad():
+                    entropy = entropy_from_logits(logits.detach())
+            inputs = PolicyLossInputs(
+                behavior_logprobs=pad_per_token(shard["behavior_logprobs"][sl], width).to(dev),
+                advantages=pad_per_token(shard["advantages"][sl], width).to(dev),
+                loss_mask=loss_mask, proximal_logprobs=logprobs.detach(), ref_logprobs=None, entropy=entropy)
+            loss, metrics = compute_policy_loss(logprobs, inputs, cfg.algorithm, normalizer)
+            total_loss += metrics["loss"]
+            if instrument:
+                sync()
+                t1 = time.perf_counter()
+                ph.fwd += t1 - t
+            loss.backward()
+            for m, p in zip(masters, params):
+                m.grad.add_(p.grad)
+                p.grad = None
+            if instrument:
+                sync()
+                ph.bwd += time.perf_counter() - t1
+            if not chunked:
+                del logits
+            del logprobs, entropy, inputs, loss, batch
+        t = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(masters, lc.max_grad_norm)
+        opt.step()
+        with torch.no_grad():
+            for m, p in zip(masters, params):
+                p.copy_(m)
+                m.grad.zero_()
+        if instrument:
+            sync()
+            ph.opt += time.perf_counter() - t
+        return total_loss
+
+    for i in range(warmup):
+        loss0 = step(False)
+        if i == 0:
+            res.first_loss = loss0
+    sync()
+    reset_peak()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step(False)
+    sync()
+    res.s_per_step = (time.perf_counter() - t0) / steps
+    res.peak_gib = peak_gib()
+    step(True)
+    res.phases = asdict(ph)
+    del model, params, masters, opt
+    free_memory()
+
+
+# ---------------------------------------------------------------------------------------------------- main
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fmt_row(r: Result, ds_s: float | None) -> str:
+    ratio = "" if r.variant == "ds" else f"{ds_s / r.s_per_step:6.2f}" if ds_s else "   n/a"
+    ph = r.phases
+    split = f"{ph.get('fwd', float('nan')):5.2f}/{ph.get('bwd', float('nan')):5.2f}/{ph.get('opt', float('nan')):5.2f}"
+    if r.error:
+        return (f"{r.shape:5} {r.variant:8} {r.resp_len:5d} {r.micro_batch:3d} {'on' if r.grad_ckpt else 'off':4} "
+                f"ERROR: {r.error}")
+    return (f"{r.shape:5} {r.variant:8} {r.resp_len:5d} {r.micro_batch:3d} {'on' if r.grad_ckpt else 'off':4} "
+            f"{r.s_per_step:8.3f} {r.resp_tok_s:10.0f} {r.total_tok_s:10.0f} {r.model_tflops:8.1f} "
+            f"{r.peak_gib:8.2f} {split:>17} {ratio:>6} {r.first_loss:10.4e}")
+
+
+HEADER = (f"{'shape':5} {'variant':8} {'resp':>5} {'mb':>3} {'gc':4} {'s/step':>8} {'resp tok/s':>10} "
+          f"{'tot tok/s':>10} {'TFLOP/s':>8} {'peak GiB':>8} {'fwd/bwd/opt s':>17} {'ds/x':>6} {'loss@1':>10}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="0.5b", help="comma list of 0.5b, 1.5b")
+    ap.add_argument("--configs", default="1024:4,1024:8,4096:1,4096:2",
+                    help="comma list of resp_len:micro_batch for the first shape")
+    ap.add_argument("--configs-large", default="1024:8,4096:2",
+                    help="resp_len:micro_batch for shapes after the first (1.5b)")
+    ap.add_argument("--grad-ckpt", default="off,on", help="comma list of off, on")
+    ap.add_argument("--variants", default="ds,plain,chunked")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--samples-per-step", type=int, default=16, help="global batch (one rank)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--chunk-tokens", type=int, default=2048, help="positions per LM-head chunk (chunked)")
+    ap.add_argument("--publish-reps", type=int, default=3)
+    ap.add_argument("--vocab", type=int, default=VOCAB)
+    ap.add_argument("--budget-s", type=float, default=float("inf"),
+                    help="skip remaining configurations once this many seconds have passed")
+    ap.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for table.txt and results.json")
+    ap.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)  # smoke test of the script only
+    args = ap.parse_args()
+
+    if not torch.cuda.is_available() and not args.allow_cpu:
+        print("benchmarks/learner_gpu.py needs a CUDA GPU (torch.cuda.is_available() is False); "
+              "it measures the DeepSpeed learner in bf16 and has nothing to say on CPU.", file=sys.stderr)
+        return 2
+
+    from learner.batch import collate
+    from learner.objective import count_normalizer
+    from protocols.config import load_config
+
+    start = time.perf_counter()
+    out = Path(args.out) if args.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+    dev_name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    import deepspeed
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+
+    env = (f"device {dev_name}; torch {torch.__version__}; transformers {transformers.__version__}; "
+           f"deepspeed {deepspeed.__version__}; python {sys.version.split()[0]}")
+    print(env, flush=True)
+    lines = [env, f"samples/step {args.samples_per_step}, prompt {args.prompt_len} tokens, warmup {args.warmup}, "
+             f"timed {args.steps} steps; ds/x = DeepSpeed s/step over this variant's s/step; "
+             "fwd/bwd/opt = one extra synchronised step split at backward and optimizer (fwd includes scoring, "
+             "loss and collate); loss@1 = loss of the first warm-up step (variants must agree)", HEADER]
+    print(lines[1], "\n" + HEADER, flush=True)
+    results: list[dict] = []
+    publish_info: dict = {}
+    port = free_port()
+    gcs = [g.strip() == "on" for g in args.grad_ckpt.split(",")]
+    variants = [v.strip() for v in args.variants.split(",")]
+    dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+
+    def dump() -> None:
+        if out:
+            (out / "table.txt").write_text("\n".join(lines) + "\n")
+            (out / "results.json").write_text(json.dumps({"env": env, "args": vars(args), "results": results,
+                                                          "publish": publish_info}, indent=1))
+
+    with tempfile.TemporaryDirectory(prefix="relayrl-learner-bench-") as tmp:
+        for si, shape in enumerate(s.strip() for s in args.shapes.split(",")):
+            t = time.perf_counter()
+            folder, n_params = build_model_folder(shape, Path(tmp), args.vocab,
+                                                  "cuda" if torch.cuda.is_available() else "cpu")
+            msg = f"# {shape}: {n_params / 1e6:.1f}M parameters (tied head counted once), built in " \
+                  f"{time.perf_counter() - t:.1f}s"
+            print(msg, flush=True)
+            lines.append(msg)
+            configs = [tuple(int(x) for x in c.split(":"))
+                       for c in (args.configs if si == 0 else args.configs_large).split(",")]
+            for resp_len, mb in configs:
+                shard = make_shard(args.samples_per_step, args.prompt_len, resp_len, args.vocab, seed=resp_len)
+                mask = collate(shard["prompt_ids"], shard["response_ids"], 0).loss_mask
+                normalizer = count_normalizer(mask, resp_len)
+                for gc_on in gcs:
+                    if time.perf_counter() - start > args.budget_s:
+                        msg = f"# budget of {args.budget_s:.0f}s spent: skipped {shape} resp {resp_len} mb {mb} " \
+                              f"gc {'on' if gc_on else 'off'}"
+                        print(msg, flush=True)
+                        lines.append(msg)
+                        continue
+                    cfg = load_config(None, [
+                        "cluster.use_gpus=true", f"model.dtype={dtype}", f"model.path={folder}",
+                        "algorithm.preset=dapo", "learner.zero_stage=2", f"learner.micro_batch_size={mb}",
+                        f"learner.gradient_checkpointing={'true' if gc_on else 'false'}",
+                        f"learner.prompts_per_step={args.samples_per_step // 8}", "rollout.samples_per_prompt=8",
+                        f"rollout.max_response_tokens={resp_len}", f"data.max_prompt_tokens={args.prompt_len}",
+                    ])
+                    ds_s = None
+                    for variant in variants:
+                        res = Result(shape, variant, resp_len, mb, gc_on, args.samples_per_step, args.steps)
+                        try:
+                            if variant == "ds":
+                                want_pub = si == 0 and not publish_info and args.publish_reps > 0
+                                pub = run_ds(cfg, folder, shard, normalizer, port, args.warmup, args.steps, res,
+                                             want_pub, args.publish_reps)
+                                if pub:
+                                    publish_info.update(pub, shape=shape)
+                            else:
+                                run_plain(cfg, folder, shard, normalizer, args.warmup, args.steps, res,
+                                          chunked=variant == "chunked", chunk_tokens=args.chunk_tokens)
+                        except Exception as err:  # report and go on (e.g. out of memory)
+                            import traceback
+
+                            traceback.print_exc()
+                            res.error = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+                            free_memory()
+                        if not res.error:
+                            resp_tokens = args.samples_per_step * resp_len
+                            total_tokens = args.samples_per_step * (resp_len + args.prompt_len)
+                            res.resp_tok_s = resp_tokens / res.s_per_step
+                            res.total_tok_s = total_tokens / res.s_per_step
+                            res.model_tflops = 6 * n_params * total_tokens / res.s_per_step / 1e12
+                            if variant == "ds":
+                                ds_s = res.s_per_step
+                        results.append(asdict(res))
+                        row = fmt_row(res, ds_s)
+                        print(row, flush=True)
+                        lines.append(row)
+                        dump()
+            if publish_info and "line" not in publish_info:
+                p = publish_info
+                p["line"] = (f"# weight publish ({p['shape']}, ZeRO-2, bf16): _full_state_dict {p['full_state_dict_s']:.3f}s"
+                             f" + pack_state_dict {p['pack_state_dict_s']:.3f}s = {p['total_s']:.3f}s for "
+                             f"{p['bytes'] / 1e9:.3f} GB ({p['tensors']} tensors) -> {p['GB_per_s']:.2f} GB/s "
+                             f"(best of {p['reps']}; ray.put not included)")
+                print(p["line"], flush=True)
+                lines.append(p["line"])
+            dump()
+    lines.append(f"# wall {time.perf_counter() - start:.0f}s")
+    print(lines[-1])
+    dump()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
