@@ -111,7 +111,13 @@ class Trainer:
     def __init__(self, cfg: RunConfig) -> None:
         self.job_start = time.perf_counter()
         self.cfg = cfg
-        resolve_verifier(cfg.reward.verifier)  # fail before any actor starts
+        # Fail on settings this version cannot run before any actor starts.
+        resolve_verifier(cfg.reward.verifier)
+        if needs_values(cfg.algorithm):
+            raise ValueError(
+                f"algorithm.preset={cfg.algorithm.preset!r} uses advantage.type=gae, which needs a critic worker "
+                "group; this version does not start one yet. Choose a critic-free preset (grpo, rloo, dr_grpo, "
+                "dapo, gspo, cispo, reinforce, reinforce_pp)")
         self.model_path = resolve_model_path(cfg)
         self.cfg = cfg = fit_lengths_to_model(cfg, self.model_path)
         from transformers import AutoTokenizer
@@ -167,9 +173,6 @@ class Trainer:
             ref = pad_per_token(self.learner.ref_logprobs(samples), bt["width"])
             behavior = pad_per_token(samples["behavior_logprobs"], bt["width"])
             kl = kl_for_reward(behavior, ref, loss_mask, cfg.algorithm)
-        if needs_values(cfg.algorithm):
-            raise ValueError("algorithm.advantage.type=gae needs a critic worker group, which this version does "
-                             "not start yet; choose a critic-free preset (grpo, rloo, dr_grpo, dapo, gspo, cispo)")
         advantages = compute_advantages(rewards, loss_mask, cfg.rollout.samples_per_prompt, cfg.algorithm, kl=kl)
         samples["advantages"] = [row[: len(r)].tolist() for row, r in zip(advantages, samples["response_ids"])]
         normalizer = count_normalizer(loss_mask, cfg.rollout.max_response_tokens)

@@ -117,3 +117,9 @@ def test_bad_model_path_names_the_setting(tmp_path):
     cfg = load_config(None, [f"model.path={tmp_path / 'missing'}"])
     with pytest.raises(ValueError, match="model.path"):
         Trainer(cfg)
+
+
+def test_preset_needing_a_critic_is_refused_before_actors_start(tmp_path):
+    cfg = load_config(None, ["algorithm.preset=ppo"])
+    with pytest.raises(ValueError, match="critic"):
+        Trainer(cfg)
