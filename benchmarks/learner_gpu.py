@@ -10,12 +10,12 @@ Each configuration runs three learners on identical synthetic micro-batches (pro
 length, advantages +-1, behavior log-probs ~ -2; preset dapo, so no reference model and no entropy bonus):
 
   ds       LearnerRank.train_step: DeepSpeed ZeRO-2 engine, bf16 with fp32 master weights (what relayrl runs).
-  plain    plain torch, the learner's own scoring (learner.batch.response_logits -> token_logprobs, entropy metric
-           as in train_step) and compute_policy_loss; backward; fp32 master weights with fp32 gradient
+  plain    plain torch, the learner's own scoring (learner.batch.response_logits, i.e. (B, T, V) logits of the
+           response positions via logits_to_keep, -> token_logprobs, entropy metric as in train_step) and compute_policy_loss; backward; fp32 master weights with fp32 gradient
            accumulation, grad-norm clipping and torch AdamW on the masters, copied back to bf16: the same
            arithmetic as DeepSpeed's bf16 path, minus DeepSpeed. ds/plain is DeepSpeed's overhead.
-  chunked  as plain, but log-probs come from the decoder's hidden states through the LM head in checkpointed
-           chunks of --chunk-tokens positions, so (B, T, V) logits are never materialised: what a fused
+  chunked  as plain, but log-probs come from the decoder's hidden states at the response positions through the LM
+           head in checkpointed chunks of --chunk-tokens positions, so (B, T, V) logits are never materialised: what a fused
            "linear + log-softmax" scorer would save in memory and time.
 
 Timed steps exclude warm-up; torch.cuda.synchronize() brackets every timing. TFLOP/s is the usual *model*
@@ -220,6 +220,7 @@ def run_ds(cfg, folder: Path, shard: dict, normalizer, port: int, warmup: int, s
         pub = {"bytes": nbytes, "full_state_dict_s": min(full), "pack_state_dict_s": min(pack),
                "total_s": min(a + b for a, b in zip(full, pack)), "reps": publish_reps, "tensors": ntensors}
         pub["GB_per_s"] = nbytes / pub["total_s"] / 1e9
+        pub["alternatives"] = publish_alternatives(learner, publish_reps)
     if hasattr(learner.engine, "destroy"):
         learner.engine.destroy()
     del learner, eng, orig_backward, orig_step
@@ -227,13 +228,53 @@ def run_ds(cfg, folder: Path, shard: dict, normalizer, port: int, warmup: int, s
     return pub
 
 
+def publish_alternatives(learner, reps: int) -> dict:
+    """Candidate fixes for the publish path, timed on the same module (not used by relayrl; numbers only):
+    nocopy     {k: v.cpu()}: _full_state_dict without its extra .clone() (.cpu() of a GPU tensor already copies)
+    pinned     device-to-host copies into page-locked buffers allocated once and reused for every version
+    pinned_untied  as pinned, without the duplicate lm_head of a tied model (a GPU vLLM engine re-ties it)"""
+    from learner.weight_transport import pack_state_dict, packed_num_bytes
+
+    sd = learner.engine.module.state_dict()
+    if learner.tied and "lm_head.weight" not in sd:
+        sd = {**sd, "lm_head.weight": sd["model.embed_tokens.weight"]}
+    untied = {k: v for k, v in sd.items() if not (learner.tied and k == "lm_head.weight")}
+    out = {}
+
+    def best(fn):
+        times, nbytes = [], 0
+        for _ in range(reps):
+            sync()
+            t = time.perf_counter()
+            packed = pack_state_dict(fn())
+            times.append(time.perf_counter() - t)
+            nbytes = packed_num_bytes(packed)
+        return {"s": min(times), "bytes": nbytes, "GB_per_s": nbytes / min(times) / 1e9}
+
+    out["nocopy"] = best(lambda: {k: v.detach().cpu() for k, v in sd.items()})
+    for name, src in (("pinned", sd), ("pinned_untied", untied)):
+        bufs = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=torch.cuda.is_available()) for k, v in src.items()}
+
+        def copy(src=src, bufs=bufs):
+            for k, v in src.items():
+                bufs[k].copy_(v.detach(), non_blocking=True)
+            sync()
+            return bufs
+        out[name] = best(copy)
+        del bufs
+    return out
+
+
 def _chunked_scores(model, batch, temperature: float, chunk_tokens: int):
     """(B, T) log-probs with grad and entropy without grad, never holding (B, T, V) logits."""
     from torch.utils.checkpoint import checkpoint
 
-    hidden = model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
-    predict_at = (batch.response_index - 1).clamp(min=0)
-    h = torch.gather(hidden, 1, predict_at.unsqueeze(-1).expand(-1, -1, hidden.size(-1)))
+    # Same rows as learner.batch.response_logits: responses start at one column P (left-padded prompts), and
+    # response token j is predicted by the output at P + j - 1, i.e. the last T + 1 positions minus the final one.
+    width_t = batch.loss_mask.size(1)
+    hidden = model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                         position_ids=batch.position_ids).last_hidden_state
+    h = hidden[:, -(width_t + 1):-1]
     b, t, d = h.shape
     h = h.reshape(b * t, d)
     ids = batch.response_ids.reshape(b * t)
@@ -287,8 +328,9 @@ def run_plain(cfg, folder: Path, shard: dict, normalizer, warmup: int, steps: in
         for sl in slices:
             t = time.perf_counter()
             batch = collate(shard["prompt_ids"][sl], shard["response_ids"][sl], pad_id)
-            for name in ("input_ids", "attention_mask", "response_index", "loss_mask", "response_ids"):
-                setattr(batch, name, getattr(batch, name).to(dev))
+            for name, value in vars(batch).items():  # every tensor field, as LearnerRank._to moves them
+                if torch.is_tensor(value):
+                    setattr(batch, name, value.to(dev))
             width = batch.loss_mask.size(1)
             sample_mask = torch.tensor(shard["sample_mask"][sl], dtype=torch.bool, device=dev)
             loss_mask = batch.loss_mask & sample_mask[:, None]
@@ -505,6 +547,11 @@ def main() -> int:
                              f"(best of {p['reps']}; ray.put not included)")
                 print(p["line"], flush=True)
                 lines.append(p["line"])
+                for name, a in p.get("alternatives", {}).items():
+                    alt = (f"#   alternative {name:14}: {a['s']:.3f}s for {a['bytes'] / 1e9:.3f} GB -> "
+                           f"{a['GB_per_s']:.2f} GB/s (incl. pack_state_dict)")
+                    print(alt, flush=True)
+                    lines.append(alt)
             dump()
     lines.append(f"# wall {time.perf_counter() - start:.0f}s")
     print(lines[-1])

@@ -223,6 +223,8 @@ class Trainer:
             if cfg.train.eval_every and self.version % cfg.train.eval_every == 0 and self.version < cfg.train.steps:
                 metrics["eval/accuracy"] = self._evaluate_midway(run_refs)
                 run_refs = [w.run.remote() for w in self.rollout_workers]
+            if cfg.train.save_every and self.version % cfg.train.save_every == 0:
+                self.save_checkpoint(folder.path / "checkpoints" / f"step_{self.version:06d}")
             if self.version % cfg.train.log_every == 0:
                 metrics.update(ray.get(self.controller.stats.remote()))
                 metrics.update(self._rollout_metrics())
@@ -251,6 +253,12 @@ class Trainer:
         folder.write_summary(summary)
         folder.close()
         return summary
+
+    def save_checkpoint(self, path: Path) -> None:
+        """The policy in HF format plus the controller's state (data cursor, queue, counters) as JSON."""
+        self.learner.save_hf(str(path))
+        state = {"policy_version": self.version, "controller": ray.get(self.controller.state_dict.remote())}
+        (path / "controller_state.json").write_text(json.dumps(state))
 
     def _rollout_metrics(self) -> dict[str, float]:
         reports = ray.get(self.controller.get_worker_stats.remote())

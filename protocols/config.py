@@ -130,7 +130,8 @@ class TrainConfig(BaseModel):
     """Evaluate held-out accuracy every N steps (0: only before and after training)."""
 
     save_every: int = Field(0, ge=0)
-    """Write a checkpoint every N steps (0: only the final model)."""
+    """Write checkpoints/step_N every N steps (0: only the final model): the policy in HF format and the
+    controller's state (data position, queued groups, counters)."""
 
     seed: int = 0
     """Seeds data order, sampling and initialization."""

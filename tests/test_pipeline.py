@@ -67,6 +67,7 @@ def test_trajectories_carry_what_the_learner_needs(ray_cluster, tmp_path):
 
 def test_async_run_bounds_staleness_and_accounts_for_every_group(ray_cluster, tmp_path):
     cfg = demo_config(tmp_path, "train.steps=20", "train.max_staleness=2", "train.partial_rollouts=true",
+                      "train.save_every=10",
                       "rollout.num_workers=2", "algorithm.preset=dapo", "rollout.prompts_in_flight=8")
     trainer = Trainer(cfg)
     try:
@@ -82,6 +83,10 @@ def test_async_run_bounds_staleness_and_accounts_for_every_group(ray_cluster, tm
     # every admitted group was trained, dropped with a reason, or is still waiting in the queue
     assert q["queue/admitted"] == q["queue/trained"] + dropped + q["queue/depth"]
     assert q["queue/trained"] == len(trained_ids)
+    checkpoint = tmp_path / "checkpoints" / "step_000010"
+    state = json.loads((checkpoint / "controller_state.json").read_text())
+    assert state["policy_version"] == 10 and state["controller"]["queue"]["trained"] == 10 * 8
+    assert (checkpoint / "config.json").is_file()
     for report in summary["rollout"]:
         seen = report["versions_seen"]
         assert seen == sorted(seen) and len(set(seen)) == len(seen)
