@@ -207,11 +207,10 @@ class LearnerRank:
         state = self._full_state_dict()
         if state is None:
             return None
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=DTYPES[self.cfg.model.dtype])
-        model.load_state_dict(state, strict=False)
-        model.save_pretrained(folder)
+        # Under ZeRO-3 the module's own parameters are partitioned; the gathered state dict is what gets written.
+        self.engine.module.save_pretrained(folder, state_dict=state)
         AutoTokenizer.from_pretrained(self.model_path).save_pretrained(folder)
         return folder
 
