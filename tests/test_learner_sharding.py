@@ -60,3 +60,22 @@ def test_two_ranks_match_one_rank_under_zero2_and_zero3(ray_cluster, tiny_models
     initial = load_file(f"{tiny_models['untied']}/model.safetensors")
     moved = (base_weights["model.layers.0.mlp.up_proj.weight"] - initial["model.layers.0.mlp.up_proj.weight"]).abs()
     assert moved.max() > 1e-4
+
+
+def test_saved_model_round_trips_under_zero3_with_tied_embeddings(ray_cluster, tiny_models, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from cluster.learner_group import LearnerGroup
+
+    cfg = load_config(None, ["learner.num_ranks=2", "learner.zero_stage=3", "learner.prompts_per_step=2",
+                             "rollout.samples_per_prompt=2"])
+    group = LearnerGroup(cfg, tiny_models["tied"])
+    try:
+        group.save_hf(str(tmp_path / "saved"))
+    finally:
+        group.shutdown()
+    original = AutoModelForCausalLM.from_pretrained(tiny_models["tied"]).state_dict()
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "saved").state_dict()
+    assert saved.keys() == original.keys()
+    for name, tensor in original.items():
+        torch.testing.assert_close(saved[name], tensor, rtol=0, atol=0, msg=name)
