@@ -10,13 +10,14 @@ Each configuration runs three learners on identical synthetic micro-batches (pro
 length, advantages +-1, behavior log-probs ~ -2; preset dapo, so no reference model and no entropy bonus):
 
   ds       LearnerRank.train_step: DeepSpeed ZeRO-2 engine, bf16 with fp32 master weights (what relayrl runs).
-  plain    plain torch, the learner's own scoring (learner.batch.response_logits, i.e. (B, T, V) logits of the
-           response positions via logits_to_keep, -> token_logprobs, entropy metric as in train_step) and compute_policy_loss; backward; fp32 master weights with fp32 gradient
-           accumulation, grad-norm clipping and torch AdamW on the masters, copied back to bf16: the same
-           arithmetic as DeepSpeed's bf16 path, minus DeepSpeed. ds/plain is DeepSpeed's overhead.
-  chunked  as plain, but log-probs come from the decoder's hidden states at the response positions through the LM
-           head in checkpointed chunks of --chunk-tokens positions, so (B, T, V) logits are never materialised: what a fused
-           "linear + log-softmax" scorer would save in memory and time.
+  plain    plain torch with the learner's own scoring (learner.batch.response_logits: (B, T, V) logits of the
+           response positions via logits_to_keep; token_logprobs; the entropy metric as in train_step) and
+           compute_policy_loss; backward; fp32 master weights with fp32 gradient accumulation, grad-norm
+           clipping and torch AdamW on the masters, copied back to bf16: the same arithmetic as DeepSpeed's bf16
+           path, minus DeepSpeed. ds/plain is DeepSpeed's overhead.
+  chunked  as plain, but log-probs come from the decoder's hidden states at the response positions through the
+           LM head in checkpointed chunks of --chunk-tokens positions, so (B, T, V) logits are never
+           materialised: what a fused "linear + log-softmax" scorer would save in memory and time.
 
 Timed steps exclude warm-up; torch.cuda.synchronize() brackets every timing. TFLOP/s is the usual *model*
 estimate 6 * params * total tokens / time (no attention term, no recompute under gradient checkpointing), so it
@@ -541,7 +542,8 @@ def main() -> int:
                         dump()
             if publish_info and "line" not in publish_info:
                 p = publish_info
-                p["line"] = (f"# weight publish ({p['shape']}, ZeRO-2, bf16): _full_state_dict {p['full_state_dict_s']:.3f}s"
+                p["line"] = (f"# weight publish ({p['shape']}, ZeRO-2, bf16): _full_state_dict "
+                             f"{p['full_state_dict_s']:.3f}s"
                              f" + pack_state_dict {p['pack_state_dict_s']:.3f}s = {p['total_s']:.3f}s for "
                              f"{p['bytes'] / 1e9:.3f} GB ({p['tensors']} tensors) -> {p['GB_per_s']:.2f} GB/s "
                              f"(best of {p['reps']}; ray.put not included)")

@@ -59,7 +59,9 @@ def response_logits(model: torch.nn.Module, batch: SampleBatch, temperature: flo
     width_t = batch.loss_mask.size(1)
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
                 logits_to_keep=width_t + 1)
-    return out.logits[:, :width_t].float() / temperature
+    logits = out.logits[:, :width_t].float()
+    # Each (B, T, V) fp32 copy costs ~0.6 MB per token at a 151k vocabulary: skip the divide when it is a no-op.
+    return logits if temperature == 1.0 else logits / temperature
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

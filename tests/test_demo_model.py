@@ -129,10 +129,10 @@ def test_short_warm_start_lifts_greedy_accuracy_above_chance(tmp_path):
 
 
 def test_warm_start_stops_at_target_accuracy(tmp_path):
-    # Target 0: the first check (step 10) already meets it, so training stops there.
+    # Target 0: every check meets it, so training stops at the second check, step 2 * 10 = 20.
     folder = build_random_model(tmp_path, tied=True, seed=0)
     stats = warm_start(folder, DataConfig(), steps=1000, lr=1e-3, batch=8, seed=0, target_accuracy=0.0)
-    assert stats["warm_start/steps"] == 10
+    assert stats["warm_start/steps"] == 20
 
 
 def test_prepare_demo_model_reuses_the_cached_folder(tmp_path):
