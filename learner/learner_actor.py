@@ -192,8 +192,7 @@ class LearnerRank:
 
     def _host_copy(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         # From a GPU, .cpu() already copies (a second clone doubled the publish time on an H100). On CPU the
-        # tensors alias the live parameters, which is safe because they are packed and ray.put (a copy) before
-        # the next optimizer step, and cloned for ZeRO-3 whose gathered storage is freed on exit.
+        # state dict aliases the live parameters and, under ZeRO-3, gathered storage freed on exit: clone it.
         if self.use_cuda:
             return {k: v.detach().cpu() for k, v in module.state_dict().items()}
         return {k: v.detach().clone() for k, v in module.state_dict().items()}
