@@ -42,8 +42,7 @@ def _write_jsonl(path: Path, rows: list) -> str:
 
 def test_gsm8k_real_rows(char_tokenizer):
     path = gsm8k_dir() / "test.jsonl"
-    if not path.is_file():
-        pytest.skip(f"{path} not found; set RELAYRL_SHARED_DIR")
+    assert path.is_file(), f"{path} not found: GSM8K lives in ../shared/data/gsm8k, or set RELAYRL_SHARED_DIR"
     cfg = DataConfig(format="gsm8k", test_path=str(path), max_prompt_tokens=4096, num_eval_prompts=20, use_chat_template=False)
     prompts, counts = load_prompts(cfg, "test", char_tokenizer)
     assert counts == {"data/loaded": 20, "data/skipped_too_long": 0}

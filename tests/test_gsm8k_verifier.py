@@ -55,8 +55,7 @@ def test_info_carries_extracted_and_gold():
 
 def test_every_test_row_solution_scores_one_and_other_answers_zero():
     path = gsm8k_dir() / "test.jsonl"
-    if not path.is_file():
-        pytest.skip(f"{path} not found; set RELAYRL_SHARED_DIR")
+    assert path.is_file(), f"{path} not found: GSM8K lives in ../shared/data/gsm8k, or set RELAYRL_SHARED_DIR"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     assert len(rows) == 1319
     golds = [parse_number(gold_answer(r["answer"])) for r in rows]
