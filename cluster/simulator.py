@@ -22,7 +22,7 @@ import gc
 import heapq
 import math
 import random
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator

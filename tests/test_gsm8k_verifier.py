@@ -4,7 +4,6 @@ import json
 import os
 from pathlib import Path
 
-import pytest
 
 from protocols.trajectory import Prompt
 from rewards.gsm8k import extract_answer, gold_answer, parse_number, verify_gsm8k
