@@ -40,15 +40,16 @@ class DemoModelConfig(BaseModel):
     """Share the input embedding and the output head (`tie_word_embeddings`), as Qwen2.5-0.5B does. Turn on
     to exercise weight sync of tied models; the demo learns either way."""
 
-    warm_start_steps: int = Field(1500, ge=0, le=100_000)
-    """Most supervised steps on training problems before RL, so GRPO starts from a partly able model. 0 keeps the
-    random model, which RL alone cannot lift (its reward is always 0). About 20 ms a step on 2 CPU cores."""
+    warm_start_steps: int = Field(2500, ge=0, le=100_000)
+    """Most supervised steps on training problems before RL (the target accuracy below usually stops it after
+    450 to 1,500), so GRPO starts from a partly able model. 0 keeps the random model, which RL alone cannot
+    lift (its reward is always 0). About 20 ms a step on 2 idle CPU cores."""
 
     warm_start_target_accuracy: float = Field(0.45, ge=0.0, le=1.0)
     """The warm start stops once greedy accuracy on 500 training-split problems it never trained on reaches
-    this in two checks in a row (one every 10 steps), leaving room for RL to show a gain: held-out accuracy then starts at about
-    40-55%. 1.0 runs all `warm_start_steps`. A stop rule rather than a step count, because where the accuracy
-    jumps varies with the seed (400 steps gave 6% to 30% across seeds)."""
+    this in two checks in a row (one every 10 steps), leaving room for RL to show a gain: held-out accuracy
+    then starts at about 40-55%. 1.0 runs all `warm_start_steps`. A stop rule rather than a step count,
+    because where the accuracy jumps varies with the seed (400 steps gave 6% to 30% across seeds)."""
 
     warm_start_lr: float = Field(1e-3, gt=0.0, le=1.0)
     """AdamW learning rate of the warm start. 3e-3 was seen not to learn at all at this size."""
