@@ -10,7 +10,7 @@ import random
 from collections import Counter
 
 from actors.replay_queue import ReplayQueue
-from protocols.trajectory import Prompt, TrajectoryGroup
+from protocols.trajectory import Prompt, TrajectoryGroup, WeightVersion
 
 
 class PromptCursor:
@@ -73,6 +73,7 @@ class RolloutController:
         self.learner_version = 0
         self.stopped = False
         self._weights: tuple[int, list] = (0, [])
+        self.published: list[WeightVersion] = []
         self._admitted_by_worker: Counter[int] = Counter()
         self.worker_stats: dict[int, dict] = {}
 
@@ -122,10 +123,12 @@ class RolloutController:
         self.learner_version = learner_version
         return self.queue.take(self.prompts_per_step, learner_version)
 
-    def publish(self, version: int, refs: list) -> None:
-        """Make `version` the newest weights. `refs` is a list so Ray passes the object refs through unresolved."""
-        self._weights = (version, refs)
-        self.learner_version = version
+    def publish(self, weights: WeightVersion, refs: list) -> None:
+        """Make `weights.version` the newest weights. `refs` is a list so Ray passes the object refs through
+        unresolved (the tensors stay in the object store until a worker loads them)."""
+        self._weights = (weights.version, refs)
+        self.published.append(weights)
+        self.learner_version = weights.version
 
     def report_worker_stats(self, worker_id: int, stats: dict) -> None:
         self.worker_stats[worker_id] = stats

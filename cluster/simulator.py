@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from actors.controller import RolloutController
-from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup
+from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup, WeightVersion
 
 
 class SimulatorConfig(BaseModel):
@@ -426,7 +426,7 @@ class Simulation:
     def _learner_done(self, now: float) -> None:
         self.learner_busy = False
         self.learner_version += 1
-        self.controller.publish(self.learner_version, [])
+        self.controller.publish(WeightVersion(version=self.learner_version), [])
         self.step_ends.append(now)
         self.decoded_at_step.append(self.decoded)
         if self.learner_version == self.cfg.steps:

@@ -31,7 +31,7 @@ from learner.objective import (
 )
 from learner.batch import pad_per_token
 from protocols.config import RunConfig
-from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup
+from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup, WeightVersion
 from rewards.datasets import load_prompts
 from rewards.registry import resolve_verifier
 
@@ -182,7 +182,9 @@ class Trainer:
         t0 = time.perf_counter()
         published = self.learner.publish_weights()
         self.version += 1
-        ray.get(self.controller.publish.remote(self.version, published["refs"]))
+        weights = WeightVersion(version=self.version, num_tensors=published["num_tensors"],
+                                num_bytes=published["num_bytes"])
+        ray.get(self.controller.publish.remote(weights, published["refs"]))
         publish_s = time.perf_counter() - t0
         correct = [bool(t.result and t.result.correct) for t in trajectories]
         num_tokens = int(bt["lengths"].sum())

@@ -207,7 +207,8 @@ class LearnerRank:
             return None
         packed = pack_state_dict(state)
         ref = ray.put(packed)
-        return {"refs": [ref], "num_bytes": packed_num_bytes(packed), "seconds": time.perf_counter() - start}
+        return {"refs": [ref], "num_tensors": len(packed), "num_bytes": packed_num_bytes(packed),
+                "seconds": time.perf_counter() - start}
 
     def save_hf(self, folder: str) -> str | None:
         """Write the model in Hugging Face format (rank 0). Collective under ZeRO-3."""

@@ -2,7 +2,7 @@
 
 from actors.controller import PromptCursor, RolloutController
 from actors.replay_queue import ReplayQueue
-from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup
+from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup, WeightVersion
 
 
 def make_prompts(n: int) -> list[Prompt]:
@@ -110,6 +110,6 @@ def test_synchronous_admission_splits_the_batch_over_workers():
 def test_poll_reports_stop_and_newer_weights_in_one_call():
     c = RolloutController(make_prompts(2), prompts_per_step=1, max_staleness=0, drop_zero_variance=False, seed=0)
     assert c.poll(known_version=0) == (False, None)
-    c.publish(1, ["ref"])
+    c.publish(WeightVersion(version=1), ["ref"])
     c.stop()
     assert c.poll(known_version=0) == (True, (1, ["ref"]))
