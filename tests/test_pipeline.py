@@ -40,6 +40,16 @@ def test_on_policy_run_trains_only_current_samples_and_raises_reward(ray_cluster
 
     AutoModelForCausalLM.from_pretrained(summary["final_model"])
     AutoTokenizer.from_pretrained(summary["final_model"])
+    # and vLLM serves it: a rollout worker on the saved folder answers the held-out prompts about as well
+    from actors.rollout_worker import RolloutWorker
+
+    worker = ray.remote(RolloutWorker).options(num_cpus=1).remote(trainer.cfg, 0, summary["final_model"])
+    try:
+        texts = ray.get(worker.generate_greedy.remote(trainer.eval_prompts))
+    finally:
+        ray.kill(worker)
+    correct = sum(t.strip() == p.answer for t, p in zip(texts, trainer.eval_prompts)) / len(texts)
+    assert abs(correct - summary["accuracy_after"]) <= 0.02, (correct, summary["accuracy_after"])
 
 
 def test_trajectories_carry_what_the_learner_needs(ray_cluster, tmp_path):
