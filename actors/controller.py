@@ -1,13 +1,13 @@
 """The rollout controller: one Ray actor that owns the run's shared state.
 
 It owns the prompt cursor, the admission budget that bounds staleness and memory, the replay queue, and the
-latest published weights. Rollout workers ask it for prompts and for new weights; reward workers push scored
-groups into it; the driver takes batches from it and publishes weights through it. Everything here is plain
+latest published weights. Rollout workers ask it for prompts and for new weights, and hand it each group a
+reward worker scored (as an object reference, so the data moves reward worker -> controller directly); the
+driver takes batches from it and publishes weights through it. Everything here is plain
 Python and serializable (`state_dict`), so the simulator and the checkpoints use the same class.
 """
 
 import random
-from collections import Counter
 
 from actors.replay_queue import ReplayQueue
 from protocols.trajectory import Prompt, TrajectoryGroup, WeightVersion
@@ -74,7 +74,6 @@ class RolloutController:
         self.stopped = False
         self._weights: tuple[int, list] = (0, [])
         self.published: list[WeightVersion] = []
-        self._admitted_by_worker: Counter[int] = Counter()
         self.worker_stats: dict[int, dict] = {}
 
     # --- rollout workers -------------------------------------------------------------------------------------
@@ -96,7 +95,6 @@ class RolloutController:
         for _ in range(min(max_groups, self.budget(worker_version))):
             group_id = f"g{self.admitted}"
             self.admitted += 1
-            self._admitted_by_worker[worker_id] += 1
             granted.append((group_id, self.cursor.next()))
         return False, granted
 
