@@ -8,6 +8,7 @@ correction exact under partial rollouts. Scored groups go to the controller's re
 import logging
 import os
 import time
+import zlib
 
 import ray
 
@@ -109,7 +110,8 @@ class RolloutWorker:
         r = self.cfg.rollout
         return SamplingParams(
             n=1, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_response_tokens, logprobs=0,
-            seed=(hash((self.cfg.train.seed, group_id, index)) & 0x7FFFFFFF),
+            # crc32, not hash(): Python salts string hashes per process, which would make runs unrepeatable.
+            seed=zlib.crc32(f"{self.cfg.train.seed}/{group_id}/{index}".encode()) & 0x7FFFFFFF,
         )
 
     def _start_group(self, group_id: str, prompt: Prompt, active: dict, requests: dict) -> None:
