@@ -68,6 +68,10 @@ class LearnerRank:
             # Frozen initial policy for the KL term. A separate reference worker group replaces this for big models.
             self.ref_model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).eval()
             self.ref_model.requires_grad_(False)
+            # DeepSpeed moves the policy to the rank's device; the frozen copy must follow it, or the first
+            # KL-in-the-loss step fails on a GPU with tensors on two devices.
+            if self.use_cuda:
+                self.ref_model.to(torch.device("cuda", torch.cuda.current_device()))
         self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         self.hf_config = model.config

@@ -1,0 +1,112 @@
+"""GPU check: every preset's `LearnerRank.train_step`, and every shipped config's first learner steps, on one GPU.
+A script for a lent GPU machine (no Ray or vLLM needed there), not a test: CI has no GPU.
+
+    python benchmarks/gpu_presets.py                 # every preset, then every deploy/configs/*.yaml
+    python benchmarks/gpu_presets.py --shape 1.5b    # a bigger model
+
+Each row builds one DeepSpeed rank with `cluster.use_gpus=true` on a random-init Qwen2 of the given shape and
+runs what the driver runs for one batch: reference log-probs when the preset puts the KL in the reward, then
+`train_step` twice. A row fails on any exception (the in-learner reference model on the wrong device, say) and
+prints it. Shipped configs keep their algorithm and learner settings; the model, the batch and the number of
+ranks are shrunk to one GPU. `ppo` needs critic values (advantages from GAE): it is checked with the critic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.learner_gpu import VOCAB, build_model_folder, free_memory, free_port, make_shard  # noqa: E402
+
+PRESETS = ["reinforce", "rloo", "grpo", "dr_grpo", "dapo", "gspo", "cispo", "reinforce_pp"]
+
+
+def run_one(cfg, folder: Path, port: int, resp_len: int, prompt_len: int, samples: int) -> dict:
+    from learner.batch import pad_per_token
+    from learner.learner_actor import LearnerRank
+    from learner.objective import count_normalizer, kl_for_reward, kl_in_reward
+
+    shard = make_shard(samples, prompt_len, resp_len, VOCAB, seed=0)
+    mask = torch.ones(samples, resp_len, dtype=torch.bool)
+    normalizer = count_normalizer(mask, resp_len)
+    learner = LearnerRank(cfg, rank=0, world_size=1, model_path=str(folder))
+    learner.setup("127.0.0.1", port)
+    try:
+        # Behavior log-probs near the policy's own, as vLLM's would be: random ones near -2 against a random
+        # model's -12 make every importance weight ~e^-10 and the gradient vanish.
+        shard["behavior_logprobs"] = learner.policy_logprobs(shard)
+        out = {}
+        if kl_in_reward(cfg.algorithm):
+            ref = pad_per_token(learner.ref_logprobs(shard), resp_len)
+            behavior = pad_per_token(shard["behavior_logprobs"], resp_len)
+            out["kl_reward_mean"] = float(kl_for_reward(behavior, ref, mask, cfg.algorithm).mean())
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(2):
+            metrics = learner.train_step(shard, normalizer)
+        torch.cuda.synchronize()
+        out.update(loss=metrics["loss"], grad_norm=metrics.get("grad_norm_max", float("nan")),
+                   s_per_step=(time.perf_counter() - t0) / 2, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+        if not all(map(lambda v: v == v, (out["loss"], out["grad_norm"]))):
+            raise RuntimeError(f"non-finite loss or grad norm: {out}")
+        return out
+    finally:
+        if hasattr(learner.engine, "destroy"):
+            learner.engine.destroy()
+        del learner
+        free_memory()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="0.5b")
+    ap.add_argument("--resp-len", type=int, default=1024)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--configs", default="deploy/configs", help="folder of shipped YAML configs ('' to skip)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("benchmarks/gpu_presets.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from protocols.config import load_config
+
+    port = free_port()
+    failures = 0
+    with tempfile.TemporaryDirectory(prefix="relayrl-gpu-presets-") as tmp:
+        folder, n_params = build_model_folder(args.shape, Path(tmp), VOCAB, "cuda")
+        print(f"# {torch.cuda.get_device_name(0)}; {args.shape} ({n_params / 1e6:.0f}M), bf16, 1 rank, "
+              f"{args.samples} samples x ({args.prompt_len} + {args.resp_len}) tokens", flush=True)
+        common = ["cluster.use_gpus=true", "model.dtype=bfloat16", f"model.path={folder}",
+                  f"rollout.max_response_tokens={args.resp_len}", f"data.max_prompt_tokens={args.prompt_len}",
+                  "rollout.samples_per_prompt=8", f"learner.prompts_per_step={max(1, args.samples // 8)}",
+                  "learner.num_ranks=1", "learner.micro_batch_size=4", "learner.gradient_checkpointing=true"]
+        jobs = [(f"preset {p}", None, [f"algorithm.preset={p}"]) for p in PRESETS]
+        if args.configs:
+            jobs += [(f"config {c.name}", str(c), []) for c in sorted(Path(args.configs).glob("*.yaml"))]
+        for name, path, extra in jobs:
+            try:
+                # Shipped configs keep their algorithm and learner choices; the shape fits one GPU.
+                cfg = load_config(path, [*extra, *common])
+                res = run_one(cfg, folder, port, args.resp_len, args.prompt_len, args.samples)
+                print(f"OK    {name:28} zero {cfg.learner.zero_stage} kl {cfg.algorithm.kl.beta:<5} "
+                      f"loss {res['loss']:+.4f} grad_norm {res['grad_norm']:.3f} "
+                      f"{res['s_per_step']:.2f} s/step peak {res['peak_gib']:.1f} GiB"
+                      + (f" kl_reward {res['kl_reward_mean']:.4f}" if "kl_reward_mean" in res else ""), flush=True)
+            except Exception as err:  # one failing row must not hide the others
+                failures += 1
+                print(f"FAIL  {name:28} {type(err).__name__}: {str(err).splitlines()[0][:200]}", flush=True)
+                free_memory()
+    print(f"# {failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
