@@ -13,9 +13,14 @@ from torch import Tensor
 def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
     z = hidden @ weight.t()
     if bias is not None:
-        z = z + bias
-    z = z.float()
-    return z if temperature == 1.0 else z / temperature
+        z += bias
+    z = z.float()  # a fresh fp32 buffer (or the matmul's own output in fp32): safe to modify in place
+    return z if temperature == 1.0 else z.div_(temperature)
+
+
+def _dot_rows(a: Tensor, b: Tensor) -> Tensor:
+    """sum_v a[n, v] * b[n, v] without an (N, V) temporary."""
+    return torch.bmm(a[:, None, :], b[:, :, None]).view(-1)
 
 
 class _ChunkedLinearScores(torch.autograd.Function):
@@ -33,7 +38,7 @@ class _ChunkedLinearScores(torch.autograd.Function):
             picked = z.gather(-1, targets[s:s + chunk_tokens, None]).squeeze(-1)
             logprobs[s:s + chunk_tokens] = picked - lse
             # H = lse - E_p[z]
-            entropy[s:s + chunk_tokens] = lse - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
+            entropy[s:s + chunk_tokens] = lse - _dot_rows(torch.softmax(z, dim=-1), z)
             lse_all[s:s + chunk_tokens] = lse
             del z
         ctx.save_for_backward(hidden, weight, bias, targets, lse_all)
@@ -45,6 +50,8 @@ class _ChunkedLinearScores(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, bias, targets, lse_all = ctx.saved_tensors
+        if grad_logprobs is None and grad_entropy is None:
+            return None, None, None, None, None, None
         temperature, chunk = ctx.temperature, ctx.chunk_tokens
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         grad_h = torch.empty_like(hidden) if need_h else None
@@ -54,24 +61,28 @@ class _ChunkedLinearScores(torch.autograd.Function):
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s:s + chunk]
             z = _chunk_logits(h, weight, bias, temperature)
-            p = torch.exp(z - lse_all[s:s + chunk, None])
-            # d logprob / dz = onehot(target) - p;  d H / dz = -p * (z - E_p[z])
-            grad_z = torch.zeros_like(z)
+            lse = lse_all[s:s + chunk, None]
+            # d logprob / dz = onehot(target) - p;  d H / dz = -p * (z - E_p[z]). In place: two (chunk, V)
+            # fp32 buffers at most.
             if grad_entropy is not None:
-                mean_z = (p * z).sum(dim=-1, keepdim=True)
-                grad_z -= grad_entropy[s:s + chunk, None] * p * (z - mean_z)
+                p = torch.exp(z - lse)
+                z -= _dot_rows(p, z)[:, None]
+                grad_z = z.mul_(p).mul_(-grad_entropy[s:s + chunk, None])
+                if grad_logprobs is not None:
+                    grad_z.addcmul_(p, grad_logprobs[s:s + chunk, None], value=-1.0)
+                del p
+            else:
+                grad_z = z.sub_(lse).exp_().mul_(-grad_logprobs[s:s + chunk, None])
             if grad_logprobs is not None:
-                g = grad_logprobs[s:s + chunk, None]
-                grad_z -= g * p
-                grad_z.scatter_add_(-1, targets[s:s + chunk, None], g)
-            del z, p
+                grad_z.scatter_add_(-1, targets[s:s + chunk, None], grad_logprobs[s:s + chunk, None])
+            del z
             if temperature != 1.0:
                 grad_z /= temperature
             grad_z_lp = grad_z.to(weight.dtype)
             if need_h:
                 grad_h[s:s + chunk] = (grad_z_lp @ weight).to(hidden.dtype)
             if need_w:
-                grad_w += (grad_z_lp.t() @ h.to(weight.dtype)).float()
+                grad_w += grad_z_lp.t() @ h.to(weight.dtype)  # upcast while adding: no fp32 (V, H) temporary
             if need_b:
                 grad_b += grad_z.sum(dim=0)
             del grad_z, grad_z_lp
@@ -81,7 +92,7 @@ class _ChunkedLinearScores(torch.autograd.Function):
 
 
 def chunked_logprobs_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, *, bias: Tensor | None = None,
-                             temperature: float = 1.0, chunk_tokens: int = 4096) -> tuple[Tensor, Tensor]:
+                             temperature: float = 1.0, chunk_tokens: int = 2048) -> tuple[Tensor, Tensor]:
     """log softmax(h W^T + b)[target] / temperature-scaled, and the entropy of that softmax, per position.
 
     hidden (N, H) decoder outputs at the scored positions, weight (V, H) the LM head (the embedding matrix when
