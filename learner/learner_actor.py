@@ -41,7 +41,8 @@ def plan_micro_batches(shard: dict, cfg: RunConfig, count: int | None) -> list[l
     for all ranks; empty lists pad a rank that has fewer samples than micro-batches)."""
     budget = cfg.learner.max_tokens_per_micro_batch
     if budget > 0:
-        plan = token_budget_micro_batches(sample_tokens(shard), budget, count=count or 0)
+        plan = token_budget_micro_batches(sample_tokens(shard), budget, count=count or 0,
+                                          padded=not cfg.learner.packing)
     else:
         plan = sample_count_micro_batches(len(shard["prompt_ids"]), cfg.learner.micro_batch_size)
     if count is not None and len(plan) > count:
@@ -153,9 +154,11 @@ class LearnerRank:
         return batch
 
     def _collate(self, shard: dict, idx: list[int]):
-        """Micro-batch tensors for samples `idx`; an empty list (a padding micro-batch) gets sample 0, which the
-        caller masks out, so the forward/backward still runs and every rank's collectives line up."""
-        rows = idx or [0]
+        """Micro-batch tensors for samples `idx`; an empty list (a padding micro-batch) gets this rank's shortest
+        sample, which the caller masks out, so the forward/backward still runs and every rank's collectives line
+        up."""
+        rows = idx or [min(range(len(shard["prompt_ids"])), key=lambda i: len(shard["prompt_ids"][i])
+                           + len(shard["response_ids"][i]))]
         make = collate_packed if self.cfg.learner.packing else collate
         batch = make([shard["prompt_ids"][i] for i in rows], [shard["response_ids"][i] for i in rows], self.pad_id)
         return self._to(batch), rows

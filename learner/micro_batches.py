@@ -44,8 +44,12 @@ def karmarkar_karp(weights: list[int], num_parts: int, equal_size: bool = False)
     return sorted(parts, key=lambda p: (not p, p[0] if p else 0))
 
 
-def token_budget_micro_batches(tokens: list[int], budget: int, count: int = 0) -> list[list[int]]:
+def token_budget_micro_batches(tokens: list[int], budget: int, count: int = 0,
+                               padded: bool = False) -> list[list[int]]:
     """Indices of one rank's samples grouped into micro-batches of at most `budget` tokens each, about equal.
+
+    padded: the micro-batches will be padded rows, so a micro-batch costs rows x its longest sample; samples of
+    similar lengths are then grouped together (longest first), which keeps the padding small.
 
     The number of micro-batches is the smallest that fits (trying from one per sample longer than the budget
     plus ceil(rest / budget) up), or `count` when that is larger (every rank must run the same number). A sample
@@ -57,6 +61,9 @@ def token_budget_micro_batches(tokens: list[int], budget: int, count: int = 0) -
     n = len(tokens)
     if n == 0:
         return [[] for _ in range(count)]
+    if padded:
+        parts = _sorted_padded(tokens, budget)
+        return _split_to(parts, tokens, count) if count > len(parts) else parts
     oversize = sum(t > budget for t in tokens)
     m = max(1, oversize + -(-sum(t for t in tokens if t <= budget) // budget))
     while True:
@@ -86,6 +93,17 @@ def _first_fit_balanced(tokens: list[int], m: int, budget: int) -> list[list[int
     return sorted((sorted(idx) for _, _, idx in bins), key=lambda p: p[0])
 
 
+def _sorted_padded(tokens: list[int], budget: int) -> list[list[int]]:
+    """Longest first; a micro-batch takes the next sample while (rows + 1) x its longest stays in the budget."""
+    parts: list[list[int]] = []
+    for i in sorted(range(len(tokens)), key=lambda i: -tokens[i]):
+        if parts and (len(parts[-1]) + 1) * tokens[parts[-1][0]] <= budget:
+            parts[-1].append(i)
+        else:
+            parts.append([i])
+    return sorted((sorted(p) for p in parts), key=lambda p: p[0])
+
+
 def _split_to(parts: list[list[int]], tokens: list[int], count: int) -> list[list[int]]:
     """Split the heaviest multi-sample micro-batch in two until there are `count` (empty ones past one sample
     each). Splitting never breaks the budget."""
@@ -113,7 +131,7 @@ def plan_ranks(tokens: list[int], num_ranks: int, budget: int) -> list[list[int]
     return karmarkar_karp(tokens, num_ranks, equal_size=budget == 0)
 
 
-def micro_batch_count(tokens_per_rank: list[list[int]], budget: int) -> int:
+def micro_batch_count(tokens_per_rank: list[list[int]], budget: int, padded: bool = False) -> int:
     """The number of token-budget micro-batches every rank runs: the most any rank needs."""
-    return max(len(token_budget_micro_batches(t, budget)) for t in tokens_per_rank) if tokens_per_rank else 0
+    return max(len(token_budget_micro_batches(t, budget, padded=padded)) for t in tokens_per_rank) if tokens_per_rank else 0
 
