@@ -14,7 +14,7 @@ import time
 import torch
 
 from learner.batch import collate, collate_packed, pad_per_token, score_responses
-from learner.micro_batches import sample_count_micro_batches, token_budget_micro_batches
+from learner.micro_batches import check_fits_context, sample_count_micro_batches, token_budget_micro_batches
 from learner.objective import (
     LossNormalizer,
     PolicyLossInputs,
@@ -198,8 +198,9 @@ class LearnerRank:
         start = time.perf_counter()
         dev = self._device()
         reset_peak_memory(dev)
-        plan = plan_micro_batches(shard, cfg, num_micro_batches)
         tokens = sample_tokens(shard)
+        check_fits_context(tokens, getattr(self.hf_config, "max_position_embeddings", None))
+        plan = plan_micro_batches(shard, cfg, num_micro_batches)
         chunk = cfg.learner.logits_chunk_tokens
         # The engine's batch size follows this step's count (DeepSpeed's own bookkeeping); the boundary is set
         # explicitly below, so a count that changes between steps never meets a stale micro-step counter.

@@ -120,6 +120,21 @@ def _split_to(parts: list[list[int]], tokens: list[int], count: int) -> list[lis
     return sorted(parts, key=lambda p: (not p, p[0] if p else 0))
 
 
+def check_fits_context(tokens: list[int], context: int | None) -> None:
+    """Refuse a sample the model cannot hold at all (prompt + response beyond its context): upstream, prompts
+    that would not fit are skipped and counted and max_prompt_tokens is lowered to fit, so one arriving here
+    means the lengths were changed on the way."""
+    if not context:
+        return
+    longest = max(tokens, default=0)
+    if longest > context:
+        i = tokens.index(longest)
+        raise ValueError(
+            f"sample {i} has {longest} tokens (prompt + response), more than the model's context of {context} "
+            f"(max_position_embeddings): no learner.max_tokens_per_micro_batch can train it whole. Keep "
+            f"data.max_prompt_tokens + rollout.max_response_tokens <= {context}")
+
+
 def sample_count_micro_batches(num_samples: int, micro_batch_size: int) -> list[list[int]]:
     """Consecutive groups of micro_batch_size samples (the last may be smaller)."""
     return [list(range(i, min(i + micro_batch_size, num_samples))) for i in range(0, num_samples, micro_batch_size)]
