@@ -53,6 +53,17 @@ def plan_micro_batches(shard: dict, cfg: RunConfig, count: int | None) -> list[l
     return plan + [[] for _ in range((count or 0) - len(plan))]
 
 
+def attention_implementation(use_cuda: bool, packing: bool, dtype: torch.dtype) -> str:
+    """flash_attention_2 for packed rows on a GPU when the flash-attn package is installed: it reads the sample
+    boundaries from position_ids (varlen) with no mask at all. Otherwise sdpa, which transformers gives a
+    block-diagonal causal mask for packed rows: exact, but the mask costs rows x length^2 bytes."""
+    import importlib.util
+
+    if use_cuda and packing and dtype != torch.float32 and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
 def peak_memory_gib(device: torch.device) -> float:
     """Peak memory since the last reset_peak_memory: the CUDA allocator's on a GPU, the process's peak resident
     set (VmHWM) on CPU."""
@@ -109,14 +120,16 @@ class LearnerRank:
                                    init_method=f"tcp://{master_addr}:{master_port}")
         torch.manual_seed(cfg.train.seed)
         dtype = DTYPES[cfg.model.dtype]
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype,
+        attn = attention_implementation(self.use_cuda, cfg.learner.packing, dtype)
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype, attn_implementation=attn,
                                                      trust_remote_code=cfg.model.trust_remote_code)
         if cfg.learner.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.ref_model = None
         if needs_ref_logprobs(cfg.algorithm):
             # Frozen initial policy for the KL term. A separate reference worker group replaces this for big models.
-            self.ref_model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).eval()
+            self.ref_model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype,
+                                                                  attn_implementation=attn).eval()
             self.ref_model.requires_grad_(False)
         self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
