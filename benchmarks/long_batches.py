@@ -16,6 +16,7 @@ count as processed). The planning is the learner's own (learner.micro_batches, l
 Table 2: LearnerRank.train_step itself (DeepSpeed ZeRO-2, fp32, one rank, tiny Qwen2 with a --vocab vocabulary)
 on 4 samples per step at growing response lengths, each row in a fresh process so its peak resident set is its
 own: today's path (sample micro-batches, full logits) against token budget + packing + chunked LM head.
+Seconds are printed for completeness only: on a shared 2-core machine they are dominated by other load.
 """
 
 from __future__ import annotations
@@ -152,6 +153,8 @@ def memory_table(args) -> list[str]:
              f"old: {args.old_micro_batch} samples per micro-batch, full logits; new: budget {args.memory_budget} "
              f"tokens, packing, LM head in chunks of {args.chunk_tokens}",
              f"{'response':>8} {'old GiB':>8} {'new GiB':>8} {'new/old':>7} {'old s':>6} {'new s':>6} {'new mb':>6}"]
+    print(lines[0])
+    print(lines[1], flush=True)
     with tempfile.TemporaryDirectory(prefix="relayrl-long-batches-") as tmp:
         folder, _ = build_model_folder("tiny", Path(tmp), args.vocab, "cpu")
         for resp in [int(x) for x in args.memory_lengths.split(",")]:
@@ -205,9 +208,7 @@ def main() -> int:
         print(line, flush=True)
     if not args.skip_memory:
         print()
-        lines = memory_table(args)
-        print(lines[0])
-        print(lines[1])
+        memory_table(args)
     return 0
 
 

@@ -60,7 +60,7 @@ def test_long_rollouts_train_with_partial_rollouts_and_flat_learner_memory(ray_c
     try:
         refs = [w.run.remote() for w in trainer.rollout_workers]
         rows = []
-        for _ in range(3):
+        for _ in range(2):
             groups, _ = trainer._wait_for_batch()
             rows.append(trainer.step(groups))
         ray.get(trainer.controller.stop.remote())
@@ -76,7 +76,7 @@ def test_long_rollouts_train_with_partial_rollouts_and_flat_learner_memory(ray_c
     finally:
         trainer.shutdown()
     seconds = time.perf_counter() - start
-    assert len(rows) == 3
+    assert len(rows) == 2
     lengths = [r["response/length_mean"] for r in rows]
     assert max(lengths) > 1000, lengths  # thousands of tokens per response, not a handful
     for r in rows:
