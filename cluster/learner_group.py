@@ -1,14 +1,16 @@
 """The learner group: N DeepSpeed ranks as Ray actors, driven together.
 
 Every call fans out to all ranks at once (DeepSpeed collectives need every rank), with the global batch split
-into contiguous, equal shards. Rank 0 returns what only it holds (published weights, the saved model).
+into shards of about equal token counts (learner/micro_batches.py) and every rank told the same number of
+micro-batches. Rank 0 returns what only it holds (published weights, the saved model).
 """
 
 import socket
 
 import ray
 
-from learner.learner_actor import LearnerRank
+from learner.learner_actor import LearnerRank, plan_micro_batches, sample_tokens
+from learner.micro_batches import plan_ranks
 from learner.objective import LossNormalizer
 from protocols.config import RunConfig
 from cluster.ray_setup import learner_options
@@ -20,12 +22,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def split_shards(samples: dict[str, list], num_ranks: int) -> list[dict[str, list]]:
-    """Contiguous shards of per-sample lists whose sizes differ by at most one (equal for training batches,
-    which the config makes divisible by the number of ranks)."""
-    n = len(next(iter(samples.values())))
-    bounds = [r * n // num_ranks for r in range(num_ranks + 1)]
-    return [{k: v[bounds[r]:bounds[r + 1]] for k, v in samples.items()} for r in range(num_ranks)]
+def balanced_shards(samples: dict[str, list], cfg: RunConfig, num_ranks: int) -> tuple[list[list[int]], list[dict], int]:
+    """(sample indices per rank, the per-rank shards, the micro-batch count every rank runs). Ranks get about
+    equal token loads; with sample-count micro-batches they also get equal sample counts."""
+    parts = plan_ranks(sample_tokens(samples), num_ranks, cfg.learner.max_tokens_per_micro_batch)
+    shards = [{k: [v[i] for i in idx] for k, v in samples.items()} for idx in parts]
+    count = max(len(plan_micro_batches(shard, cfg, None)) for shard in shards)
+    return parts, shards, count
+
+
+def merge_rows(parts: list[list[int]], results: list[list]) -> list:
+    """Per-rank result rows back in the global batch's order."""
+    out: list = [None] * sum(len(p) for p in parts)
+    for idx, rows in zip(parts, results):
+        for i, row in zip(idx, rows):
+            out[i] = row
+    return out
 
 
 class LearnerGroup:
@@ -41,23 +53,24 @@ class LearnerGroup:
         ray.get([rank.setup.remote(master if cfg.cluster.address else "127.0.0.1", port) for rank in self.ranks])
 
     def train_step(self, samples: dict[str, list], normalizer: LossNormalizer) -> dict[str, float]:
-        shards = split_shards(samples, len(self.ranks))
-        results = ray.get([rank.train_step.remote(s, normalizer) for rank, s in zip(self.ranks, shards)])
+        _, shards, count = balanced_shards(samples, self.cfg, len(self.ranks))
+        results = ray.get([rank.train_step.remote(s, normalizer, count) for rank, s in zip(self.ranks, shards)])
         summed: dict[str, float] = {}
         for metrics in results:
             for key, value in metrics.items():
                 summed[key] = max(summed.get(key, value), value) if key.endswith("_max") else summed.get(key, 0.0) + value
+        summed["learner/effective_token_frac"] = (summed["learner/real_tokens"]
+                                                  / max(summed["learner/processed_tokens"], 1.0))
         return summed
 
     def ref_logprobs(self, samples: dict[str, list]) -> list[list[float]]:
-        shards = split_shards(samples, len(self.ranks))
-        parts = ray.get([rank.ref_logprobs.remote(s) for rank, s in zip(self.ranks, shards)])
-        return [row for part in parts for row in part]
+        parts, shards, count = balanced_shards(samples, self.cfg, len(self.ranks))
+        return merge_rows(parts, ray.get([rank.ref_logprobs.remote(s, count) for rank, s in zip(self.ranks, shards)]))
 
     def policy_logprobs(self, samples: dict[str, list]) -> list[list[float]]:
-        shards = split_shards(samples, len(self.ranks))
-        parts = ray.get([rank.policy_logprobs.remote(s) for rank, s in zip(self.ranks, shards)])
-        return [row for part in parts for row in part]
+        parts, shards, count = balanced_shards(samples, self.cfg, len(self.ranks))
+        return merge_rows(parts, ray.get([rank.policy_logprobs.remote(s, count)
+                                          for rank, s in zip(self.ranks, shards)]))
 
     def publish_weights(self) -> dict:
         return ray.get([rank.publish_weights.remote() for rank in self.ranks])[0]

@@ -1,27 +1,44 @@
-"""Turning trajectories into padded tensors, and scoring responses with a causal LM.
+"""Turning trajectories into model inputs, and scoring responses with a causal LM.
 
-A row is [left padding, prompt, response, right padding]: every response starts at the same column P, so the
-model computes logits for the last T + 1 positions only (`logits_to_keep`), never (B, L, V). Per-token tensors
-are `(B, T)` over response positions. Pure torch: no Ray, vLLM or DeepSpeed.
+Two layouts. Padded (`collate`): a row is [left padding, prompt, response, right padding], every response starts
+at the same column P, so the model computes outputs for the last T + 1 positions only (`logits_to_keep`).
+Packed (`collate_packed`): all samples of a micro-batch in one row with no padding, positions restarting at 0
+per sample and no attention mask, so transformers' masking (or flash-attention varlen on GPU) keeps attention
+inside each sample. Per-token outputs are `(B, T)` over response positions either way. Pure torch.
 """
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
+from learner.kl import entropy_from_logits
+from learner.logprobs import chunked_logprobs_entropy
+
 
 @dataclass
 class SampleBatch:
-    """One micro-batch. `input_ids`/`attention_mask` are (B, L); per-token tensors are (B, T) over the response."""
+    """One micro-batch: model inputs (R, L) and per-token tensors (B, T) over the response."""
 
     input_ids: torch.Tensor
-    attention_mask: torch.Tensor
+    attention_mask: torch.Tensor | None
+    """(R, L) 1 on real tokens; None for a packed row (the positions tell the samples apart)."""
     position_ids: torch.Tensor
-    """(B, L) positions counted from each prompt's first token, as vLLM counts them."""
+    """(R, L) positions counted from each prompt's first token, as vLLM counts them."""
     loss_mask: torch.Tensor
     """(B, T) bool: True on real response tokens."""
     response_ids: torch.Tensor
     """(B, T) response token ids (pad where masked)."""
+    score_index: torch.Tensor
+    """(B, T) long: index into the model's kept outputs flattened to (R * keep, H) of the position that predicts
+    each response token (0 where masked)."""
+    keep: int
+    """`logits_to_keep` for the forward pass: T + 1 padded, 0 (every position) packed."""
+
+    @property
+    def processed_tokens(self) -> int:
+        """Positions the model runs over, padding included."""
+        return int(self.input_ids.numel())
 
 
 def collate(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int) -> SampleBatch:
@@ -39,7 +56,32 @@ def collate(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: 
         loss_mask[i, : len(r)] = True
         resp[i, : len(r)] = torch.tensor(r, dtype=torch.long)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-    return SampleBatch(input_ids, attention_mask, position_ids, loss_mask, resp)
+    # The last T + 1 outputs are kept; response token j of row b is predicted by kept output j.
+    score_index = torch.arange(batch)[:, None] * (width_t + 1) + torch.arange(width_t)[None, :]
+    score_index = torch.where(loss_mask, score_index, 0)
+    return SampleBatch(input_ids, attention_mask, position_ids, loss_mask, resp, score_index, width_t + 1)
+
+
+def collate_packed(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int) -> SampleBatch:
+    """All samples in one row (1, sum of lengths), positions restarting per sample, no padding at all."""
+    batch = len(prompt_ids)
+    width_t = max(1, max(len(r) for r in response_ids))
+    ids, positions = [], []
+    loss_mask = torch.zeros((batch, width_t), dtype=torch.bool)
+    resp = torch.full((batch, width_t), pad_id, dtype=torch.long)
+    score_index = torch.zeros((batch, width_t), dtype=torch.long)
+    offset = 0
+    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+        ids.extend(p + r)
+        positions.extend(range(len(p) + len(r)))
+        loss_mask[i, : len(r)] = True
+        resp[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        # response token j sits at offset + len(p) + j and is predicted by the output one position earlier
+        score_index[i, : len(r)] = offset + len(p) - 1 + torch.arange(len(r))
+        offset += len(p) + len(r)
+    input_ids = torch.tensor([ids], dtype=torch.long)
+    position_ids = torch.tensor([positions], dtype=torch.long)
+    return SampleBatch(input_ids, None, position_ids, loss_mask, resp, score_index, 0)
 
 
 def pad_per_token(values: list[list[float]], width: int) -> torch.Tensor:
@@ -51,14 +93,14 @@ def pad_per_token(values: list[list[float]], width: int) -> torch.Tensor:
 
 
 def response_logits(model: torch.nn.Module, batch: SampleBatch, temperature: float) -> torch.Tensor:
-    """(B, T, V) logits that predict each response token, divided by the sampling temperature.
+    """(B, T, V) logits that predict each response token, divided by the sampling temperature (padded layout).
 
     Response token j sits at column P + j and is predicted by the output at P + j - 1, so the last T + 1 output
     positions are computed and the final one dropped.
     """
     width_t = batch.loss_mask.size(1)
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-                logits_to_keep=width_t + 1)
+                logits_to_keep=width_t + 1, use_cache=False)
     logits = out.logits[:, :width_t].float()
     # Each (B, T, V) fp32 copy costs ~0.6 MB per token at a 151k vocabulary: skip the divide when it is a no-op.
     return logits if temperature == 1.0 else logits / temperature
@@ -68,3 +110,50 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tenso
     """log softmax(logits)[token] for (B, T, V) logits and (B, T) ids, without materializing all log-probs."""
     picked = torch.gather(logits, -1, token_ids.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
+
+
+@contextmanager
+def _scoring_head(model: torch.nn.Module, flat_index: torch.Tensor, targets: torch.Tensor, temperature: float,
+                  chunk_tokens: int):
+    """Route the model's LM head through chunked_logprobs_entropy for one forward pass.
+
+    The head module is still *called* by the model, so DeepSpeed ZeRO-3's module hooks gather its partitioned
+    weight for the forward and again for the backward (reading `.weight` outside the call would see an empty
+    shard). The head then returns (N, 2) [log-prob, entropy] in place of logits."""
+    head = getattr(model, "module", model).get_output_embeddings()
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat_index)
+        lp, ent = chunked_logprobs_entropy(h, head.weight, targets, bias=head.bias, temperature=temperature,
+                                           chunk_tokens=chunk_tokens)
+        return torch.stack([lp, ent], dim=-1)
+
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward  # back to the class's forward
+
+
+def score_responses(model: torch.nn.Module, batch: SampleBatch, temperature: float,
+                    chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs (B, T), entropy (B, T)) fp32 of each response token under `model` at `temperature`, 0 where
+    loss_mask is False; both carry grad when the model does. chunk_tokens > 0 scores through the LM head in
+    chunks of that many positions (no (B, T, V) tensor); 0 materializes the logits (the original path)."""
+    mask = batch.loss_mask
+    flat = batch.score_index[mask]
+    targets = batch.response_ids[mask]
+    fwd = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+               logits_to_keep=batch.keep, use_cache=False)
+    if chunk_tokens > 0:
+        with _scoring_head(model, flat, targets, temperature, chunk_tokens):
+            scores = model(**fwd).logits
+        lp_flat, ent_flat = scores[:, 0], scores[:, 1]
+    else:
+        logits = model(**fwd).logits
+        logits = logits.reshape(-1, logits.shape[-1]).index_select(0, flat).float()
+        logits = logits if temperature == 1.0 else logits / temperature
+        lp_flat = token_logprobs(logits, targets)
+        ent_flat = entropy_from_logits(logits[None])[0]
+    zeros = torch.zeros(mask.shape, dtype=torch.float32, device=lp_flat.device)
+    return zeros.masked_scatter(mask, lp_flat), zeros.masked_scatter(mask, ent_flat)

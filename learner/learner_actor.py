@@ -1,9 +1,11 @@
 """One DeepSpeed data-parallel rank of the learner, hosted in a Ray actor.
 
 The driver sends each rank its shard of the global batch (whole samples, advantages already computed on the
-whole batch); every rank runs the same number of micro-batches, then one optimizer step. Loss values are shares
-of the global loss (global normalizers), scaled by the world size because DeepSpeed averages gradients over
-ranks: the summed gradient is then the same for 1 or N ranks. Weights leave through the Ray object store.
+whole batch) and the number of micro-batches every rank runs; the rank groups its samples into that many
+micro-batches (by sample count, or by token budget with learner.max_tokens_per_micro_batch), then takes one
+optimizer step. Loss values are shares of the global loss (global normalizers), scaled by the world size because
+DeepSpeed averages gradients over ranks: the summed gradient is then the same for 1 or N ranks, whatever the
+split. Weights leave through the Ray object store.
 """
 
 import os
@@ -11,12 +13,12 @@ import time
 
 import torch
 
-from learner.batch import collate, pad_per_token, response_logits, token_logprobs
+from learner.batch import collate, collate_packed, pad_per_token, score_responses
+from learner.micro_batches import check_fits_context, sample_count_micro_batches, token_budget_micro_batches
 from learner.objective import (
     LossNormalizer,
     PolicyLossInputs,
     compute_policy_loss,
-    entropy_from_logits,
     needs_ref_logprobs,
 )
 from learner.weight_transport import pack_state_dict, packed_num_bytes
@@ -27,6 +29,65 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def micro_batches(num_samples: int, micro_batch_size: int) -> list[slice]:
     return [slice(i, min(i + micro_batch_size, num_samples)) for i in range(0, num_samples, micro_batch_size)]
+
+
+def sample_tokens(shard: dict) -> list[int]:
+    """Prompt + response tokens of each sample: what a micro-batch's budget counts."""
+    return [len(p) + len(r) for p, r in zip(shard["prompt_ids"], shard["response_ids"])]
+
+
+def plan_micro_batches(shard: dict, cfg: RunConfig, count: int | None) -> list[list[int]]:
+    """Sample indices of each micro-batch of this rank, exactly `count` of them when given (the driver's count
+    for all ranks; empty lists pad a rank that has fewer samples than micro-batches)."""
+    budget = cfg.learner.max_tokens_per_micro_batch
+    if budget > 0:
+        plan = token_budget_micro_batches(sample_tokens(shard), budget, count=count or 0,
+                                          padded=not cfg.learner.packing)
+    else:
+        plan = sample_count_micro_batches(len(shard["prompt_ids"]), cfg.learner.micro_batch_size)
+    if count is not None and len(plan) > count:
+        raise ValueError(
+            f"this rank needs {len(plan)} micro-batches for its {len(shard['prompt_ids'])} samples but was told to "
+            f"run {count}: every rank must run the same number (the driver's count must be the largest any rank "
+            f"needs; see learner.micro_batches.micro_batch_count)")
+    return plan + [[] for _ in range((count or 0) - len(plan))]
+
+
+def attention_implementation(use_cuda: bool, packing: bool, dtype: torch.dtype) -> str:
+    """flash_attention_2 for packed rows on a GPU when the flash-attn package is installed: it reads the sample
+    boundaries from position_ids (varlen) with no mask at all. Otherwise sdpa, which transformers gives a
+    block-diagonal causal mask for packed rows: exact, but the mask costs rows x length^2 bytes."""
+    import importlib.util
+
+    if use_cuda and packing and dtype != torch.float32 and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory since the last reset_peak_memory: the CUDA allocator's on a GPU, the process's peak resident
+    set (VmHWM) on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return float("nan")
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:  # Linux: writing 5 resets the peak resident set size to the current one
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 class LearnerRank:
@@ -59,14 +120,16 @@ class LearnerRank:
                                    init_method=f"tcp://{master_addr}:{master_port}")
         torch.manual_seed(cfg.train.seed)
         dtype = DTYPES[cfg.model.dtype]
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype,
+        attn = attention_implementation(self.use_cuda, cfg.learner.packing, dtype)
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype, attn_implementation=attn,
                                                      trust_remote_code=cfg.model.trust_remote_code)
         if cfg.learner.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.ref_model = None
         if needs_ref_logprobs(cfg.algorithm):
             # Frozen initial policy for the KL term. A separate reference worker group replaces this for big models.
-            self.ref_model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).eval()
+            self.ref_model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype,
+                                                                  attn_implementation=attn).eval()
             self.ref_model.requires_grad_(False)
             # DeepSpeed moves the policy to the rank's device; the frozen copy must follow it, or the first
             # KL-in-the-loss step fails on a GPU with tensors on two devices.
@@ -80,7 +143,10 @@ class LearnerRank:
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learner.lr, betas=cfg.learner.betas,
                                       weight_decay=cfg.learner.weight_decay)
         ds_config = {
-            "train_micro_batch_size_per_gpu": min(cfg.learner.micro_batch_size, per_rank),
+            # One "DeepSpeed micro-batch" per forward/backward whatever it holds: the count of micro-batches varies
+            # from step to step (token budgets), so train_step sets the accumulation boundary itself and scales
+            # the loss itself (global normalizers); DeepSpeed never divides by its gradient_accumulation_steps.
+            "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": self.num_micro,
             "gradient_clipping": cfg.learner.max_grad_norm,
             "zero_optimization": {"stage": cfg.learner.zero_stage},
@@ -99,66 +165,82 @@ class LearnerRank:
 
     def _to(self, batch):
         dev = self._device()
-        for name in ("input_ids", "attention_mask", "position_ids", "loss_mask", "response_ids"):
-            setattr(batch, name, getattr(batch, name).to(dev))
+        for name, value in vars(batch).items():
+            if torch.is_tensor(value):
+                setattr(batch, name, value.to(dev))
         return batch
 
-    @torch.no_grad()
-    def ref_logprobs(self, shard: dict) -> list[list[float]]:
-        """Reference-policy log-probs of each response token (for KL placed in the reward)."""
-        out = []
-        for sl in micro_batches(len(shard["prompt_ids"]), self.cfg.learner.micro_batch_size):
-            batch = self._to(collate(shard["prompt_ids"][sl], shard["response_ids"][sl], self.pad_id))
-            lps = token_logprobs(response_logits(self.ref_model, batch, self.cfg.rollout.temperature),
-                                 batch.response_ids)
-            out.extend(row[: len(r)].tolist() for row, r in zip(lps.cpu(), shard["response_ids"][sl]))
-        return out
+    def _collate(self, shard: dict, idx: list[int]):
+        """Micro-batch tensors for samples `idx`; an empty list (a padding micro-batch) gets this rank's shortest
+        sample, which the caller masks out, so the forward/backward still runs and every rank's collectives line
+        up."""
+        rows = idx or [min(range(len(shard["prompt_ids"])), key=lambda i: len(shard["prompt_ids"][i])
+                           + len(shard["response_ids"][i]))]
+        make = collate_packed if self.cfg.learner.packing else collate
+        batch = make([shard["prompt_ids"][i] for i in rows], [shard["response_ids"][i] for i in rows], self.pad_id)
+        return self._to(batch), rows
 
     @torch.no_grad()
-    def policy_logprobs(self, shard: dict) -> list[list[float]]:
-        """Current-policy log-probs of each response token (weight-sync checks, proximal recompute)."""
-        self.engine.eval()
-        out = []
-        for sl in micro_batches(len(shard["prompt_ids"]), self.cfg.learner.micro_batch_size):
-            batch = self._to(collate(shard["prompt_ids"][sl], shard["response_ids"][sl], self.pad_id))
-            lps = token_logprobs(response_logits(self.engine, batch, self.cfg.rollout.temperature), batch.response_ids)
-            out.extend(row[: len(r)].tolist() for row, r in zip(lps.cpu(), shard["response_ids"][sl]))
-        self.engine.train()
+    def _score_shard(self, model, shard: dict, count: int | None) -> list[list[float]]:
+        out: list[list[float] | None] = [None] * len(shard["prompt_ids"])
+        for idx in plan_micro_batches(shard, self.cfg, count):
+            batch, rows = self._collate(shard, idx)
+            lps, _ = score_responses(model, batch, self.cfg.rollout.temperature, self.cfg.learner.logits_chunk_tokens)
+            for row, i in zip(lps.cpu(), idx):
+                out[i] = row[: len(shard["response_ids"][i])].tolist()
         return out
+
+    def ref_logprobs(self, shard: dict, num_micro_batches: int | None = None) -> list[list[float]]:
+        """Reference-policy log-probs of each response token (for KL placed in the reward)."""
+        return self._score_shard(self.ref_model, shard, num_micro_batches)
+
+    def policy_logprobs(self, shard: dict, num_micro_batches: int | None = None) -> list[list[float]]:
+        """Current-policy log-probs of each response token (weight-sync checks, proximal recompute). Under ZeRO-3
+        each forward is a collective: pass the same num_micro_batches to every rank."""
+        self.engine.eval()
+        try:
+            return self._score_shard(self.engine, shard, num_micro_batches)
+        finally:
+            self.engine.train()
 
     # --- the update ----------------------------------------------------------------------------------------------
-    def train_step(self, shard: dict, normalizer: LossNormalizer) -> dict[str, float]:
+    def train_step(self, shard: dict, normalizer: LossNormalizer,
+                   num_micro_batches: int | None = None) -> dict[str, float]:
         """One optimizer step on this rank's shard. `shard` holds per-sample lists: prompt_ids, response_ids,
-        behavior_logprobs, advantages (per token), sample_mask. Returns summed metrics (see finalize_metrics)."""
+        behavior_logprobs, advantages (per token), sample_mask. num_micro_batches: how many forward/backward
+        passes every rank runs this step (the driver's count; None: as many as this rank needs, fine for one
+        rank). Returns summed metrics (see finalize_metrics), plus learner/real_tokens and
+        learner/processed_tokens (padding included), learner/micro_batches_max and learner/peak_gib_max."""
         cfg = self.cfg
         start = time.perf_counter()
-        slices = micro_batches(len(shard["prompt_ids"]), cfg.learner.micro_batch_size)
-        if len(slices) != self.num_micro:
-            raise ValueError(f"rank {self.rank} got {len(shard['prompt_ids'])} samples: {len(slices)} micro-batches, "
-                             f"but DeepSpeed was set up for {self.num_micro}; every step must send the same count")
-        summed: dict[str, float] = {}
+        dev = self._device()
+        reset_peak_memory(dev)
+        tokens = sample_tokens(shard)
+        check_fits_context(tokens, getattr(self.hf_config, "max_position_embeddings", None))
+        plan = plan_micro_batches(shard, cfg, num_micro_batches)
+        chunk = cfg.learner.logits_chunk_tokens
+        # The engine's batch size follows this step's count (DeepSpeed's own bookkeeping); the boundary is set
+        # explicitly below, so a count that changes between steps never meets a stale micro-step counter.
+        self.engine.set_train_batch_size(len(plan) * self.world_size)
+        summed: dict[str, float] = {"learner/real_tokens": 0.0, "learner/processed_tokens": 0.0}
         self.engine.train()
-        for sl in slices:
-            batch = self._to(collate(shard["prompt_ids"][sl], shard["response_ids"][sl], self.pad_id))
+        for k, idx in enumerate(plan):
+            batch, rows = self._collate(shard, idx)
             width = batch.loss_mask.size(1)
-            sample_mask = torch.tensor(shard["sample_mask"][sl], dtype=torch.bool, device=batch.loss_mask.device)
+            sample_mask = torch.tensor([shard["sample_mask"][i] for i in rows], dtype=torch.bool, device=dev)
+            if not idx:
+                sample_mask[:] = False
             loss_mask = batch.loss_mask & sample_mask[:, None]
-            logits = response_logits(self.engine, batch, cfg.rollout.temperature)
-            logprobs = token_logprobs(logits, batch.response_ids)
-            if cfg.algorithm.entropy_coef > 0:
-                entropy = entropy_from_logits(logits)
-            else:
-                with torch.no_grad():
-                    entropy = entropy_from_logits(logits.detach())
+            logprobs, entropy = score_responses(self.engine, batch, cfg.rollout.temperature, chunk)
+            if cfg.algorithm.entropy_coef <= 0:
+                entropy = entropy.detach()
             ref = None
             if self.ref_model is not None:
                 with torch.no_grad():
-                    ref = token_logprobs(response_logits(self.ref_model, batch, cfg.rollout.temperature),
-                                         batch.response_ids)
-            dev = logprobs.device
+                    ref, _ = score_responses(self.ref_model, batch, cfg.rollout.temperature, chunk)
             inputs = PolicyLossInputs(
-                behavior_logprobs=pad_per_token(shard["behavior_logprobs"][sl], width).to(dev),
-                advantages=pad_per_token(shard["advantages"][sl], width).to(dev),
+                behavior_logprobs=pad_per_token([shard["behavior_logprobs"][i] for i in rows], width).to(dev),
+                advantages=pad_per_token([shard["advantages"][i] for i in rows], width).to(dev),
                 loss_mask=loss_mask,
                 # One optimizer step per batch: the policy before the update is the one computing `logprobs`,
                 # so the proximal log-probs of decoupled PPO come free, without a second forward pass.
@@ -167,15 +249,21 @@ class LearnerRank:
                 entropy=entropy,
             )
             loss, metrics = compute_policy_loss(logprobs, inputs, cfg.algorithm, normalizer)
+            self.engine.set_gradient_accumulation_boundary(k == len(plan) - 1)
             # DeepSpeed averages gradients over ranks; the loss is this micro-batch's share of the global sum.
             self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
             self.engine.step()
+            summed["learner/real_tokens"] += float(sum(tokens[i] for i in idx))
+            summed["learner/processed_tokens"] += float(batch.processed_tokens)
             for key, value in metrics.items():
                 value = float(value)
                 summed[key] = max(summed.get(key, value), value) if key.endswith("_max") else summed.get(key, 0.0) + value
+            del logprobs, entropy, inputs, loss, batch
         grad_norm = self.engine.get_global_grad_norm()
         summed["grad_norm_max"] = float(grad_norm) if grad_norm is not None else 0.0
         summed["learner_seconds_max"] = time.perf_counter() - start
+        summed["learner/micro_batches_max"] = float(len(plan))
+        summed["learner/peak_gib_max"] = peak_memory_gib(dev)
         return summed
 
     # --- weights out -------------------------------------------------------------------------------------------

@@ -246,7 +246,7 @@ def finalize_metrics(summed: dict[str, float]) -> dict[str, float]:
     n = summed.get("num_tokens", 0.0)
     out: dict[str, float] = {}
     for key, value in summed.items():
-        if key in _KEEP:
+        if key in _KEEP or key.startswith("learner/"):  # learner/*: counts and ratios the learner reports as is
             out[key] = value
         elif key.endswith("_max"):
             out[key] = value if n > 0 else 0.0

@@ -93,7 +93,27 @@ class LearnerConfig(BaseModel):
     """Groups (prompts) in one global batch; the batch holds prompts_per_step * samples_per_prompt samples."""
 
     micro_batch_size: int = Field(64, ge=1)
-    """Samples per forward/backward on one rank; gradients accumulate over micro-batches."""
+    """Samples per forward/backward on one rank when max_tokens_per_micro_batch is 0; gradients accumulate over
+    micro-batches."""
+
+    max_tokens_per_micro_batch: int = Field(0, ge=0)
+    """Token budget (prompt + response) of one micro-batch; 0 uses micro_batch_size samples instead. With a
+    budget, ranks get about equal token loads and each rank's samples fill micro-batches of about equal token
+    counts, so long-tailed lengths neither pad nor run out of memory; the number of micro-batches follows the
+    batch. A sample longer than the budget gets a micro-batch of its own (never truncated). Long-CoT runs: a
+    few times the longest prompt + response, e.g. 32768."""
+
+    packing: bool = False
+    """Put a micro-batch's samples in one row without padding (positions restart per sample; attention stays
+    inside each sample: flash-attention varlen on GPU, a block-diagonal mask on CPU). Pair it with
+    max_tokens_per_micro_batch; metrics report learner/effective_token_frac either way."""
+
+    logits_chunk_tokens: int = Field(2048, ge=0)
+    """Positions scored through the LM head at once (fp32 log-sum-exp, recomputed in backward), so the
+    (tokens x vocabulary) logits never exist whole: at a 151k vocabulary they cost 0.6 MB per token in fp32,
+    18.5 GiB at 32k tokens. 2048 keeps a chunk's buffers near 3 GiB there (two fp32 copies of its logits plus
+    the matmul output), while each head matmul (2048 x hidden x vocabulary) stays large enough to run at full
+    speed. 0 materializes all logits (the original path, for comparison)."""
 
     lr: float = Field(5e-5, gt=0)
     """AdamW learning rate."""

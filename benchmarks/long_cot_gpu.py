@@ -1,0 +1,142 @@
+"""Long chain-of-thought on one GPU: `LearnerRank.train_step` on one long sample per step, today's path against
+the long-CoT path, same run, same data. A script, not a test; it needs CUDA (--allow-cpu: a tiny smoke run).
+
+    python benchmarks/long_cot_gpu.py                                   # 1.5B shape, 8k/32k/64k/128k responses
+    python benchmarks/long_cot_gpu.py --lengths 8192,32768 --new-grad-ckpt on,off
+    python benchmarks/long_cot_gpu.py --allow-cpu --shape tiny --vocab 4096 --lengths 256,512   # smoke test
+
+Rows (DeepSpeed ZeRO-2, bf16, prompt 256 tokens, preset dapo, one sample per step):
+  old   learner.logits_chunk_tokens=0 (full (T, V) logits), sample-count micro-batches of 1, gradient
+        checkpointing on: the learner before issue 9.
+  new   learner.logits_chunk_tokens (--chunk-tokens), learner.max_tokens_per_micro_batch = prompt + response
+        (one micro-batch), packing on, gradient checkpointing per --new-grad-ckpt (so "checkpointing only where
+        memory needs it" can be read off the table: off where it fits, on beyond).
+A row that runs out of memory prints OOM and the run goes on. Peak GiB is torch.cuda.max_memory_allocated over
+the row's steps (warm-up included, so optimizer state is counted). Helpers come from benchmarks/learner_gpu.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.learner_gpu import build_model_folder, free_memory, free_port, make_shard, sync  # noqa: E402
+
+
+def run_row(folder: Path, path: str, resp_len: int, grad_ckpt: bool, args, port: int) -> dict:
+    from learner.learner_actor import LearnerRank
+    from learner.objective import count_normalizer
+    from protocols.config import load_config
+
+    cuda = torch.cuda.is_available()
+    total = args.prompt_len + resp_len
+    if path == "old":
+        learner_cfg = ["learner.logits_chunk_tokens=0", "learner.micro_batch_size=1", "learner.packing=false",
+                       "learner.max_tokens_per_micro_batch=0"]
+    else:
+        learner_cfg = [f"learner.logits_chunk_tokens={args.chunk_tokens}", "learner.packing=true",
+                       f"learner.max_tokens_per_micro_batch={total}"]
+    cfg = load_config(None, [
+        f"cluster.use_gpus={'true' if cuda else 'false'}", f"model.dtype={'bfloat16' if cuda else 'float32'}",
+        f"model.path={folder}", "algorithm.preset=dapo", "learner.zero_stage=2",
+        f"learner.gradient_checkpointing={'true' if grad_ckpt else 'false'}", "learner.prompts_per_step=1",
+        "rollout.samples_per_prompt=2", f"rollout.max_response_tokens={resp_len}",
+        f"data.max_prompt_tokens={args.prompt_len}", *learner_cfg])
+    # samples_per_prompt must be >= 2 in the config; the shard holds one sample, which is what the rank trains.
+    shard = make_shard(1, args.prompt_len, resp_len, args.vocab, seed=resp_len)
+    normalizer = count_normalizer(torch.ones(1, resp_len, dtype=torch.bool), resp_len)
+    learner = LearnerRank(cfg, 0, 1, str(folder))
+    out = {"path": path, "resp": resp_len, "gc": grad_ckpt}
+    try:
+        learner.setup("127.0.0.1", port)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        for _ in range(args.warmup):
+            metrics = learner.train_step(shard, normalizer)
+        sync()
+        t = time.perf_counter()
+        for _ in range(args.steps):
+            metrics = learner.train_step(shard, normalizer)
+        sync()
+        out["s_per_step"] = (time.perf_counter() - t) / args.steps
+        out["peak_gib"] = (torch.cuda.max_memory_allocated() / 2**30 if cuda
+                           else metrics["learner/peak_gib_max"])
+        out["loss"] = metrics["loss"]
+    finally:
+        if learner.engine is not None and hasattr(learner.engine, "destroy"):
+            learner.engine.destroy()
+        del learner
+    return out
+
+
+def fmt(row: dict) -> str:
+    head = f"{row['path']:4} {row['resp']:7d} {'on' if row['gc'] else 'off':3}"
+    if "error" in row:
+        return f"{head} {row['error']}"
+    return (f"{head} {row['s_per_step']:8.3f} {row['resp'] / row['s_per_step']:11.0f} {row['peak_gib']:8.2f} "
+            f"{row['loss']:11.4e}")
+
+
+HEADER = f"{'path':4} {'resp':>7} {'gc':3} {'s/step':>8} {'resp tok/s':>11} {'peak GiB':>8} {'loss':>11}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="1.5b", help="0.5b, 1.5b (benchmarks/learner_gpu.py SHAPES), tiny on CPU")
+    ap.add_argument("--lengths", default="8192,32768,65536,131072", help="response tokens, comma list")
+    ap.add_argument("--paths", default="old,new")
+    ap.add_argument("--new-grad-ckpt", default="on", help="gradient checkpointing of the new path: on, off, on,off")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--chunk-tokens", type=int, default=2048, help="learner.logits_chunk_tokens of the new path")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--allow-cpu", action="store_true", help="smoke-test the script on CPU (use --shape tiny)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available() and not args.allow_cpu:
+        print("benchmarks/long_cot_gpu.py needs a CUDA GPU; --allow-cpu --shape tiny smoke-tests it on CPU",
+              file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    print(f"device {dev}; torch {torch.__version__}; shape {args.shape}; prompt {args.prompt_len}; one sample per "
+          f"step; warm-up {args.warmup}, timed {args.steps}", flush=True)
+    print(HEADER, flush=True)
+    start = time.perf_counter()
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="relayrl-long-cot-") as tmp:
+        folder, _ = build_model_folder(args.shape, Path(tmp), args.vocab,
+                                       "cuda" if torch.cuda.is_available() else "cpu")
+        free_memory()
+        for resp_len in [int(x) for x in args.lengths.split(",")]:
+            for path in [p.strip() for p in args.paths.split(",")]:
+                gcs = [True] if path == "old" else [g.strip() == "on" for g in args.new_grad_ckpt.split(",")]
+                for gc_on in gcs:
+                    try:
+                        row = run_row(folder, path, resp_len, gc_on, args, port)
+                    except torch.cuda.OutOfMemoryError as err:
+                        row = {"path": path, "resp": resp_len, "gc": gc_on,
+                               "error": f"OOM ({str(err).splitlines()[0][:120]})"}
+                        err = None  # drop the traceback's frames, and with them the row's tensors
+                    gc.collect()
+                    free_memory()
+                    print(fmt(row), flush=True)
+    print(f"# wall {time.perf_counter() - start:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
