@@ -58,7 +58,8 @@ PAD_ID = 151643  # Qwen2.5's <|endoftext|>, its pad token
 # --------------------------------------------------------------------------------------------- model folder
 
 
-def build_model_folder(shape: str, root: Path, vocab: int, device: str) -> tuple[Path, int]:
+def build_model_folder(shape: str, root: Path, vocab: int, device: str,
+                       max_positions: int = 32768) -> tuple[Path, int]:
     """Random-init Qwen2 of the named shape plus a trivial tokenizer, saved as a Hugging Face folder."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
@@ -67,7 +68,7 @@ def build_model_folder(shape: str, root: Path, vocab: int, device: str) -> tuple
 
     folder = root / f"qwen2-{shape}"
     pad_id = min(PAD_ID, vocab - 1)
-    config = Qwen2Config(vocab_size=vocab, tie_word_embeddings=True, max_position_embeddings=32768,
+    config = Qwen2Config(vocab_size=vocab, tie_word_embeddings=True, max_position_embeddings=max_positions,
                          rope_theta=1_000_000.0, rms_norm_eps=1e-6, pad_token_id=pad_id, bos_token_id=pad_id,
                          eos_token_id=pad_id, **SHAPES[shape])
     torch.manual_seed(0)

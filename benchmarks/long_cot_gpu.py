@@ -5,11 +5,11 @@ the long-CoT path, same run, same data. A script, not a test; it needs CUDA (--a
     python benchmarks/long_cot_gpu.py --lengths 8192,32768 --new-grad-ckpt on,off
     python benchmarks/long_cot_gpu.py --allow-cpu --shape tiny --vocab 4096 --lengths 256,512   # smoke test
 
-Rows (DeepSpeed ZeRO-2, bf16, prompt 256 tokens, preset dapo, one sample per step):
+Rows (DeepSpeed ZeRO-2, bf16, prompt 256 tokens, preset dapo, --samples per step, one by default):
   old   learner.logits_chunk_tokens=0 (full (T, V) logits), sample-count micro-batches of 1, gradient
         checkpointing on: the learner before issue 9.
-  new   learner.logits_chunk_tokens (--chunk-tokens), learner.max_tokens_per_micro_batch = prompt + response
-        (one micro-batch), packing on, gradient checkpointing per --new-grad-ckpt (so "checkpointing only where
+  new   learner.logits_chunk_tokens (--chunk-tokens), learner.max_tokens_per_micro_batch =
+        --per-micro-batch x (prompt + response), packing on, gradient checkpointing per --new-grad-ckpt (so "checkpointing only where
         memory needs it" can be read off the table: off where it fits, on beyond).
 A row that runs out of memory prints OOM and the run goes on. Peak GiB is torch.cuda.max_memory_allocated over
 the row's steps (warm-up included, so optimizer state is counted). Helpers come from benchmarks/learner_gpu.py.
@@ -44,18 +44,19 @@ def run_row(folder: Path, path: str, resp_len: int, grad_ckpt: bool, args, port:
                        "learner.max_tokens_per_micro_batch=0"]
     else:
         learner_cfg = [f"learner.logits_chunk_tokens={args.chunk_tokens}", "learner.packing=true",
-                       f"learner.max_tokens_per_micro_batch={total}"]
+                       f"learner.max_tokens_per_micro_batch={total * args.per_micro_batch}"]
     cfg = load_config(None, [
         f"cluster.use_gpus={'true' if cuda else 'false'}", f"model.dtype={'bfloat16' if cuda else 'float32'}",
         f"model.path={folder}", "algorithm.preset=dapo", "learner.zero_stage=2",
-        f"learner.gradient_checkpointing={'true' if grad_ckpt else 'false'}", "learner.prompts_per_step=1",
+        f"learner.gradient_checkpointing={'true' if grad_ckpt else 'false'}",
+        f"learner.prompts_per_step={max(1, args.samples // 2)}",
         "rollout.samples_per_prompt=2", f"rollout.max_response_tokens={resp_len}",
         f"data.max_prompt_tokens={args.prompt_len}", *learner_cfg])
-    # samples_per_prompt must be >= 2 in the config; the shard holds one sample, which is what the rank trains.
-    shard = make_shard(1, args.prompt_len, resp_len, args.vocab, seed=resp_len)
-    normalizer = count_normalizer(torch.ones(1, resp_len, dtype=torch.bool), resp_len)
+    # samples_per_prompt must be >= 2 in the config; the rank trains the shard it is given, whatever its size.
+    shard = make_shard(args.samples, args.prompt_len, resp_len, args.vocab, seed=resp_len)
+    normalizer = count_normalizer(torch.ones(args.samples, resp_len, dtype=torch.bool), resp_len)
     learner = LearnerRank(cfg, 0, 1, str(folder))
-    out = {"path": path, "resp": resp_len, "gc": grad_ckpt}
+    out = {"path": path, "resp": resp_len, "gc": grad_ckpt, "samples": args.samples}
     try:
         learner.setup("127.0.0.1", port)
         if cuda:
@@ -82,7 +83,8 @@ def fmt(row: dict) -> str:
     head = f"{row['path']:4} {row['resp']:7d} {'on' if row['gc'] else 'off':3}"
     if "error" in row:
         return f"{head} {row['error']}"
-    return (f"{head} {row['s_per_step']:8.3f} {row['resp'] / row['s_per_step']:11.0f} {row['peak_gib']:8.2f} "
+    tok_s = row['resp'] * row['samples'] / row['s_per_step']
+    return (f"{head} {row['s_per_step']:8.3f} {tok_s:11.0f} {row['peak_gib']:8.2f} "
             f"{row['loss']:11.4e}")
 
 
@@ -97,6 +99,9 @@ def main() -> int:
     ap.add_argument("--new-grad-ckpt", default="on", help="gradient checkpointing of the new path: on, off, on,off")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--chunk-tokens", type=int, default=2048, help="learner.logits_chunk_tokens of the new path")
+    ap.add_argument("--samples", type=int, default=1, help="samples per step (the issue's table used 8 at 8k)")
+    ap.add_argument("--per-micro-batch", type=int, default=1,
+                    help="new path: samples packed in one micro-batch (token budget = this x prompt + response)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=151936)
@@ -112,16 +117,19 @@ def main() -> int:
 
     transformers.utils.logging.disable_progress_bar()
     dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    print(f"device {dev}; torch {torch.__version__}; shape {args.shape}; prompt {args.prompt_len}; one sample per "
-          f"step; warm-up {args.warmup}, timed {args.steps}", flush=True)
+    print(f"device {dev}; torch {torch.__version__}; shape {args.shape}; prompt {args.prompt_len}; {args.samples} "
+          f"sample(s) per step, {args.per_micro_batch} per new micro-batch; warm-up {args.warmup}, timed {args.steps}", flush=True)
     print(HEADER, flush=True)
     start = time.perf_counter()
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="relayrl-long-cot-") as tmp:
+        lengths = [int(x) for x in args.lengths.split(",")]
+        # The context must hold the longest prompt + response, or the learner refuses the sample by name.
         folder, _ = build_model_folder(args.shape, Path(tmp), args.vocab,
-                                       "cuda" if torch.cuda.is_available() else "cpu")
+                                       "cuda" if torch.cuda.is_available() else "cpu",
+                                       max_positions=max(32768, args.prompt_len + max(lengths)))
         free_memory()
-        for resp_len in [int(x) for x in args.lengths.split(",")]:
+        for resp_len in lengths:
             for path in [p.strip() for p in args.paths.split(",")]:
                 gcs = [True] if path == "old" else [g.strip() == "on" for g in args.new_grad_ckpt.split(",")]
                 for gc_on in gcs:
@@ -131,6 +139,10 @@ def main() -> int:
                         row = {"path": path, "resp": resp_len, "gc": gc_on,
                                "error": f"OOM ({str(err).splitlines()[0][:120]})"}
                         err = None  # drop the traceback's frames, and with them the row's tensors
+                    except (RuntimeError, ValueError) as err:  # report the row and go on to the next
+                        row = {"path": path, "resp": resp_len, "gc": gc_on,
+                               "error": f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"}
+                        err = None
                     gc.collect()
                     free_memory()
                     print(fmt(row), flush=True)
