@@ -113,6 +113,18 @@ class CodeSandboxConfig(BaseModel):
     program; the last such block is run. Untagged blocks and other languages are never run."""
 
 
+class Gsm8kConfig(BaseModel):
+    """How the `gsm8k` verifier reads the answer from a response (see rewards/gsm8k.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["strict", "flexible"] = "flexible"
+    """`strict`: the answer is the number right after the response's last `####` (verl's default); a response
+    without it scores 0, so the policy must learn the format. `flexible`: the first number after the last
+    `####`, else the response's last number (for prompts that do not ask for `####`). In both, a minus between
+    two numbers is subtraction ("10 - 5" reads 5) and Unicode minus signs are minus ("−5" is -5)."""
+
+
 class RewardConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -135,6 +147,9 @@ class RewardConfig(BaseModel):
 
     shaping: ShapingConfig = Field(default_factory=ShapingConfig)
     """Format reward and length penalty composed with the task reward."""
+
+    gsm8k: Gsm8kConfig = Field(default_factory=Gsm8kConfig)
+    """Answer extraction of the `gsm8k` verifier; unused by the others."""
 
     code: CodeSandboxConfig = Field(default_factory=CodeSandboxConfig)
     """Sandbox limits for the `code` verifier; unused by the others."""

@@ -323,10 +323,11 @@ def _child_main(read_fd: int, write_fd: int) -> None:
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     cfg = RewardConfig.model_validate(inbox.recv())
     try:
-        from rewards import code_sandbox
+        from rewards import code_sandbox, gsm8k
         from rewards.registry import resolve_verifier
 
         code_sandbox.configure(cfg.code, cfg.timeout_s)
+        gsm8k.configure(cfg.gsm8k)
         resolve_verifier(cfg.verifier)
     except Exception as err:  # noqa: BLE001 - reported to the parent, which raises with this text
         outbox.send(("init_error", f"{type(err).__name__}: {err}"))
