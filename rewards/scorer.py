@@ -67,13 +67,23 @@ class Scorer:
         self._slots = [self._spawn() for _ in range(cfg.num_processes)]
 
     # ----- public API -------------------------------------------------------------------------------------
-    def score(self, prompts: list[Prompt], responses: list[str], num_tokens: list[int] | None = None) -> list[VerifierResult]:
+    def score(self, prompts: list[Prompt], responses: list[str], num_tokens: list[int] | None = None,
+              count: bool = True) -> list[VerifierResult]:
         """One result per response, in order. Never raises for a verifier's failure: that sample gets reward 0
-        and `error` set to `exception`, `timeout` or `crash`."""
+        and `error` set to `exception`, `timeout` or `crash`. `count=False` (held-out evaluation) keeps these
+        samples out of `metrics()`, except process restarts."""
         num_tokens = num_tokens if num_tokens is not None else [0] * len(responses)
         items = [(i, p, r, n) for i, (p, r, n) in enumerate(zip(prompts, responses, num_tokens, strict=True))]
         results: list[VerifierResult | None] = [None] * len(items)
-        self._run(self._make_units(items), results)
+        kept = self._counts
+        if not count:
+            self._counts = defaultdict(float)
+        try:
+            self._run(self._make_units(items), results)
+        finally:
+            if not count:
+                kept["restarts"] += self._counts["restarts"]
+                self._counts = kept
         return results  # type: ignore[return-value]
 
     def score_group(self, group: TrajectoryGroup) -> TrajectoryGroup:
