@@ -1,10 +1,10 @@
-"""Runs inside the code sandbox as root, builds the sandbox's view of the system, then drops to an unprivileged
-uid and runs the candidate program.
+"""Runs inside the code sandbox as root, builds the sandbox's view of the system, then forks: the child drops to
+an unprivileged uid and runs the candidate program, the parent stays as a root supervisor.
 
 Started by rewards/code_sandbox.py as `unshare --net --mount --pid --ipc --uts --fork ... python -I -S <this>
 JOB_FD STATUS_FD` with an allow-listed environment, so it is process 1 of fresh network, mount, pid, IPC and
-UTS namespaces: when it exits, every process the program forked dies with it. Standard library only; nothing
-from the project is importable here.
+UTS namespaces: when it exits (the program ended, or the launcher was killed), every process the program forked
+dies with it. Standard library only; nothing from the project is importable here.
 """
 
 import ctypes
@@ -210,6 +210,17 @@ def _read_job(fd: int) -> dict:
     return json.loads(b"".join(chunks))
 
 
+def _supervise(child: int) -> int:
+    """Process 1 stays root and does not run the program: it reaps orphans and exits with the program's status.
+    Its parent-death signal (set by `unshare --kill-child`) survives because its credentials never change, so
+    killing the launcher always kills it, and with it the whole pid namespace, whatever the program does to
+    itself (setsid, clearing its own parent-death signal, ignoring signals)."""
+    while True:
+        pid, status = os.wait()
+        if pid == child:
+            return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1
+
+
 def main() -> None:
     status_fd = int(sys.argv[2])
     try:
@@ -217,6 +228,16 @@ def main() -> None:
         if job["cgroup_procs"]:
             _join_cgroup(job["cgroup_procs"])
         _build_root(job)
+        child = os.fork()
+    except (OSError, ValueError, KeyError) as err:
+        sys.stderr.write(f"sandbox setup failed: {err}\n")
+        sys.stderr.flush()
+        os._exit(SETUP_FAILED)
+    if child:
+        os.close(status_fd)
+        os.close(job["result_fd"])
+        os._exit(_supervise(child))
+    try:
         _limit_and_drop(job)
         os.write(status_fd, READY)
         os.close(status_fd)

@@ -9,6 +9,7 @@ import errno
 import itertools
 import logging
 import os
+import signal
 import time
 
 logger = logging.getLogger(__name__)
@@ -104,10 +105,16 @@ class RunCgroup:
                 raise
 
     def remove(self) -> None:
-        # Every process of the run is dead once the harness (init of its pid namespace) is reaped, but the
-        # cgroup can report busy for a moment while the kernel finishes tearing them down.
+        """Kill whatever is still in the run's cgroup (nothing, normally: the pid namespace died with its
+        process 1), then remove it."""
         for attempt in range(50):
             try:
+                with open(f"{self.path}/cgroup.procs") as f:
+                    for pid in f.read().split():
+                        try:
+                            os.kill(int(pid), signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
                 os.rmdir(self.path)
                 return
             except FileNotFoundError:
@@ -115,5 +122,6 @@ class RunCgroup:
             except OSError as err:
                 if err.errno != errno.EBUSY:
                     break
+                # busy for a moment while the kernel finishes tearing the killed processes down
                 time.sleep(0.002 * (attempt + 1))
-        logger.warning("could not remove the sandbox cgroup %s; it is empty and can be removed by hand", self.path)
+        logger.warning("could not remove the sandbox cgroup %s; remove it by hand once it is empty", self.path)

@@ -184,6 +184,6 @@ def test_program_runs_unprivileged_without_the_host_files():
     )
     uid, work, home, run, tmp, shm, pids, python = json.loads(run_in_sandbox(code, FAST).stdout)
     assert uid >= FAST.sandbox_uid_base
-    # No data or home folders; /run, /tmp and /dev/shm private and empty; only its own processes: the harness
-    # (pid 1, which runs the program itself); the interpreter is visible so programs may start Python again.
-    assert (work, home, run, tmp, shm, pids, python) == (False, False, [], [], [], ["1"], True)
+    # No data or home folders; /run, /tmp and /dev/shm private and empty; only its own processes: the harness's
+    # supervisor (pid 1) and the program (pid 2); the interpreter is visible so programs may start Python again.
+    assert (work, home, run, tmp, shm, pids, python) == (False, False, [], [], [], ["1", "2"], True)

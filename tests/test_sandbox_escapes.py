@@ -204,6 +204,47 @@ print(made, libc.shmget({host_key}, 0, 0) >= 0)
     assert all(key != inner_key for _, key in after)
 
 
+def _processes_named(name: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() == name:
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def test_no_process_outlives_the_run_whatever_it_does_to_itself():
+    # The program names itself, clears its parent-death signal, leaves the process group (setsid) and forks a
+    # child that does the same, then both sleep: the wall limit must still end both of them.
+    name = "rl" + secrets.token_hex(6)
+    code = f"""
+import ctypes, os, time
+libc = ctypes.CDLL(None)
+def hide():
+    libc.prctl(1, 0, 0, 0, 0)  # PR_SET_PDEATHSIG: none
+    libc.prctl(15, b"{name}", 0, 0, 0)  # PR_SET_NAME
+    try:
+        os.setsid()
+    except OSError:
+        pass
+hide()
+if os.fork() == 0:
+    hide()
+time.sleep(60)
+"""
+    try:
+        run = run_in_sandbox(code, FAST.model_copy(update={"run_timeout_s": 1.0}))
+        assert run.status == "timeout"
+        time.sleep(0.3)
+        assert _processes_named(name) == []
+    finally:
+        for pid in _processes_named(name):  # only if the test failed: leave the machine clean
+            os.kill(pid, 9)
+
+
 def test_sandboxes_running_at_once_never_share_a_uid():
     outputs = []
     code = "import os, time\nprint(os.getuid())\ntime.sleep(0.5)"
