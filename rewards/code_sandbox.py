@@ -7,7 +7,6 @@ whole process tree where one is writable), process and output limits, and a wall
 
 import fcntl
 import json
-import logging
 import math
 import os
 import re
@@ -26,7 +25,6 @@ from protocols.trajectory import Prompt, VerifierResult
 from rewards import sandbox_cgroup
 from rewards.registry import register_verifier
 
-logger = logging.getLogger(__name__)
 HARNESS = str(Path(__file__).with_name("_sandbox_harness.py"))
 SETUP_FAILED = 121
 READY = b"R"
@@ -56,7 +54,7 @@ def extract_code(response: str, language_tags: list[str] | None = None) -> str |
     `language_tags` (default: this process's `reward.code.language_tags`); None when there is none. Untagged
     blocks and blocks in other languages (sample output, shell commands) are never the program."""
     tags = {t.lower() for t in (_config.language_tags if language_tags is None else language_tags)}
-    programs = [body for info, body in _FENCED_BLOCK.findall(response) if info.strip().split(" ")[0].lower() in tags]
+    programs = [body for info, body in _FENCED_BLOCK.findall(response) if (info.split() or [""])[0].lower() in tags]
     return programs[-1] if programs else None
 
 
