@@ -10,7 +10,6 @@ dies with it. Standard library only; nothing from the project is importable here
 import ctypes
 import json
 import os
-import platform
 import resource
 import sys
 import traceback
@@ -138,7 +137,7 @@ def _build_root(job: dict) -> None:
 
 
 def _syscall_number(index: int) -> int:
-    machine = platform.machine()
+    machine = os.uname().machine
     if machine not in _SYSCALLS:
         raise OSError(f"the sandbox knows no syscall numbers for {machine}; add them to _SYSCALLS")
     return _SYSCALLS[machine][index]
