@@ -24,11 +24,15 @@ _SYSCALLS = {  # (pivot_root, keyctl) by architecture; glibc wraps neither
     "x86_64": (155, 250), "aarch64": (41, 219), "ppc64le": (203, 271), "s390x": (217, 280),
 }  # fmt: skip
 _DEVICES = ("null", "zero", "full", "random", "urandom")
-# seccomp: (audit arch, unshare, clone, clone3) by architecture, for the filter that refuses new user namespaces.
-_SECCOMP_ARCH = {"x86_64": (0xC000003E, 272, 56, 435), "aarch64": (0xC00000B7, 97, 220, 435)}
+# seccomp: (audit arch, unshare, clone, clone3, socket) by architecture, for the filter below.
+_SECCOMP_ARCH = {"x86_64": (0xC000003E, 272, 56, 435, 41), "aarch64": (0xC00000B7, 97, 220, 435, 198)}
 _CLONE_NEWUSER = 0x10000000
+# Socket families a program may open: Unix (its own folder only), IPv4 and IPv6 (its own network namespace,
+# loopback down). Others are refused: AF_VSOCK, for one, reaches the hypervisor host whatever the namespace.
+_SOCKET_FAMILIES = (1, 2, 10)
 _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
 _RET_ALLOW, _RET_ERRNO = 0x7FFF0000, 0x00050000
+_EPERM, _EAFNOSUPPORT, _ENOSYS = 1, 97, 38
 _LD_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -157,32 +161,65 @@ class _SockFprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
 
 
-def _refuse_user_namespaces() -> None:
+def _seccomp_program(arch: int, unshare: int, clone: int, clone3: int, sock: int) -> list[tuple[int, int, int, int]]:
+    """Classic BPF over `struct seccomp_data` (nr at 0, arch at 4, args[0] at 16). Jumps are written as labels
+    and resolved here: a jump goes to (its own index + 1 + jt or jf)."""
+    code = [
+        ("ld", 4), ("jeq", arch, "nr", "deny"),
+        ("nr:",), ("ld", 0), ("jge", 0x40000000, "deny", "native"),  # x32 ABI on x86_64
+        ("native:",), ("jeq", clone3, "nosys", "u"),
+        ("u:",), ("jeq", unshare, "flags", "c"),
+        ("c:",), ("jeq", clone, "flags", "s"),
+        ("s:",), ("jeq", sock, "family", "allow"),
+        ("flags:",), ("ld", 16), ("jset", _CLONE_NEWUSER, "deny", "allow"),
+        ("family:",), ("ld", 16),
+        *[item for i, fam in enumerate(_SOCKET_FAMILIES) for item in (("jeq", fam, "allow", f"f{i}"), (f"f{i}:",))],
+        ("ret", _RET_ERRNO | _EAFNOSUPPORT),
+        ("nosys:",), ("ret", _RET_ERRNO | _ENOSYS),
+        ("allow:",), ("ret", _RET_ALLOW),
+        ("deny:",), ("ret", _RET_ERRNO | _EPERM),
+    ]
+    return _assemble(code)
+
+
+def _assemble(code: list[tuple]) -> list[tuple[int, int, int, int]]:
+    labels, program = {}, []
+    for item in code:
+        if item[0].endswith(":"):
+            labels[item[0][:-1]] = len(program)
+        else:
+            program.append(item)
+    ops = {"ld": 0x20, "jeq": 0x15, "jge": 0x35, "jset": 0x45, "ret": 0x06}
+    out = []
+    for pos, item in enumerate(program):
+        if item[0] in ("ld", "ret"):
+            out.append((ops[item[0]], 0, 0, item[1]))
+        else:
+            jt, jf = (labels[t] - pos - 1 for t in item[2:4])
+            if not (0 <= jt < 256 and 0 <= jf < 256):
+                raise ValueError(f"seccomp jump out of range at {pos}")
+            out.append((ops[item[0]], jt, jf, item[1]))
+    return out
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def _install_seccomp() -> None:
     """A seccomp filter: `unshare` and `clone` with CLONE_NEWUSER fail with EPERM, `clone3` (whose flags a
-    filter cannot read) with ENOSYS, so glibc falls back to `clone`; syscalls of another ABI (i386, x32) fail.
-    Inside a user namespace of its own the program would be uid 0 with every capability there: no way out of
-    the read-only binds, but a large kernel surface (and `id -u` printing 0) for nothing a test needs."""
+    filter cannot read) with ENOSYS, so glibc falls back to `clone`; sockets other than Unix, IPv4 and IPv6
+    fail with EAFNOSUPPORT; syscalls of another ABI (i386, x32) fail. Inside a user namespace of its own the
+    program would be uid 0 with every capability there: no way out of the read-only binds, but a large kernel
+    surface for nothing a test needs."""
     machine = os.uname().machine
     if machine not in _SECCOMP_ARCH:
         return  # no numbers for this architecture: namespaces, uid and limits still hold
-    arch, unshare, clone, clone3 = _SECCOMP_ARCH[machine]
-    eperm, enosys = _RET_ERRNO | 1, _RET_ERRNO | 38
-    program = [
-        (_LD_ABS, 0, 0, 4),                 # 0: arch
-        (_JEQ, 1, 0, arch),                 # 1: native ABI -> 3
-        (_RET, 0, 0, eperm),                # 2
-        (_LD_ABS, 0, 0, 0),                 # 3: syscall number
-        (_JGE, 7, 0, 0x40000000),           # 4: x32 ABI -> 12
-        (_JEQ, 4, 0, clone3),               # 5: -> 10
-        (_JEQ, 1, 0, unshare),              # 6: -> 8
-        (_JEQ, 0, 3, clone),                # 7: clone -> 8, else -> 11
-        (_LD_ABS, 0, 0, 16),                # 8: flags (low 32 bits of the first argument)
-        (_JSET, 2, 1, _CLONE_NEWUSER),      # 9: CLONE_NEWUSER -> 12, else -> 11
-        (_RET, 0, 0, enosys),               # 10: clone3
-        (_RET, 0, 0, _RET_ALLOW),           # 11
-        (_RET, 0, 0, eperm),                # 12
-    ]  # fmt: skip
-    # A jump goes to (its own index + 1 + jt or jf): from 7, jf=3 lands on 11.
+    program = _seccomp_program(*_SECCOMP_ARCH[machine])
     filters = (_SockFilter * len(program))(*[_SockFilter(*ins) for ins in program])
     prog = _SockFprog(len(program), filters)
     _check(_libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) == 0, "seccomp filter")
@@ -203,7 +240,7 @@ def _limit_and_drop(job: dict) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     # Setuid binaries (mount, su) must not give root back.
     _check(_libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0, "prctl(PR_SET_NO_NEW_PRIVS)")
-    _refuse_user_namespaces()
+    _install_seccomp()
     uid = job["uid"]
     os.setgroups([])
     os.setgid(uid)
