@@ -112,6 +112,16 @@ class CodeSandboxConfig(BaseModel):
     """Fenced blocks whose language tag (the first word after the opening ```, any case) is one of these hold the
     program; the last such block is run. Untagged blocks and other languages are never run."""
 
+    @model_validator(mode="after")
+    def _check_paths(self) -> "CodeSandboxConfig":
+        for path in self.readonly_paths:
+            if not path.startswith("/") or path.rstrip("/") == "" or ".." in path.split("/"):
+                raise ValueError(
+                    f"reward.code.readonly_paths entry {path!r} must be an absolute path below / without `..` "
+                    "(the whole root cannot be shown: list the folders programs need, e.g. /usr)"
+                )
+        return self
+
 
 class Gsm8kConfig(BaseModel):
     """How the `gsm8k` verifier reads the answer from a response (see rewards/gsm8k.py)."""

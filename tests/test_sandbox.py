@@ -187,3 +187,13 @@ def test_program_runs_unprivileged_without_the_host_files():
     # No data or home folders; /run, /tmp and /dev/shm private and empty; only its own processes: the harness's
     # supervisor (pid 1) and the program (pid 2); the interpreter is visible so programs may start Python again.
     assert (work, home, run, tmp, shm, pids, python) == (False, False, [], [], [], ["1", "2"], True)
+
+
+def test_readonly_paths_must_be_absolute_folders_below_root():
+    import pytest
+    from pydantic import ValidationError
+
+    for bad in (["/"], ["usr"], ["/usr/../root"]):
+        with pytest.raises(ValidationError, match="readonly_paths"):
+            CodeSandboxConfig(readonly_paths=bad)
+    assert CodeSandboxConfig(readonly_paths=["/usr", "/opt/tools"]).readonly_paths == ["/usr", "/opt/tools"]
