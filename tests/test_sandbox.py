@@ -7,6 +7,9 @@ import socket
 import threading
 import time
 
+import pytest
+from pydantic import ValidationError
+
 from protocols.reward import CodeSandboxConfig
 from protocols.trajectory import Prompt
 from rewards import code_sandbox
@@ -190,9 +193,6 @@ def test_program_runs_unprivileged_without_the_host_files():
 
 
 def test_readonly_paths_must_be_absolute_folders_below_root():
-    import pytest
-    from pydantic import ValidationError
-
     for bad in (["/"], ["usr"], ["/usr/../root"]):
         with pytest.raises(ValidationError, match="readonly_paths"):
             CodeSandboxConfig(readonly_paths=bad)
