@@ -15,7 +15,8 @@ from protocols.trajectory import Prompt
 from rewards import code_sandbox
 from rewards.code_sandbox import extract_code, run_in_sandbox, verify_code
 
-FAST = CodeSandboxConfig(run_timeout_s=2.0, cpu_time_s=2)
+# Wall limit generous for a loaded machine (sandbox start included); CPU limit short.
+FAST = CodeSandboxConfig(run_timeout_s=5.0, cpu_time_s=2)
 ECHO_TESTS = [{"input": "21\n", "output": "42\n"}, {"input": "5\n", "output": "10"}]
 
 

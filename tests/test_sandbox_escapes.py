@@ -21,7 +21,7 @@ from protocols.trajectory import Prompt
 from rewards import code_sandbox, sandbox_cgroup
 from rewards.code_sandbox import run_in_sandbox, verify_code
 
-FAST = CodeSandboxConfig(run_timeout_s=4.0, cpu_time_s=4)
+FAST = CodeSandboxConfig(run_timeout_s=8.0, cpu_time_s=4)  # wall limit generous for a loaded machine
 REPO = Path(__file__).resolve().parents[1]
 
 
