@@ -153,14 +153,6 @@ def _syscall_number(index: int) -> int:
     return _SYSCALLS[machine][index]
 
 
-class _SockFilter(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
-
-
-class _SockFprog(ctypes.Structure):
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
-
-
 def _seccomp_program(arch: int, unshare: int, clone: int, clone3: int, sock: int) -> list[tuple[int, int, int, int]]:
     """Classic BPF over `struct seccomp_data` (nr at 0, arch at 4, args[0] at 16). Jumps are written as labels
     and resolved here: a jump goes to (its own index + 1 + jt or jf)."""
