@@ -139,6 +139,7 @@ def _launch(job: dict, files: dict, cfg: CodeSandboxConfig, timeout_s: float) ->
         "unshare", "--net", "--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child", "--",
         PYTHON, "-I", "-S", HARNESS, str(job_r), str(status_w),
     ]  # fmt: skip
+    proc = None
     try:
         try:
             proc = subprocess.Popen(
@@ -160,27 +161,25 @@ def _launch(job: dict, files: dict, cfg: CodeSandboxConfig, timeout_s: float) ->
         job["uid"] = cfg.sandbox_uid_base + proc.pid
         job["cgroup_procs"] = cgroup.procs_file if cgroup else ""
         try:
-            with os.fdopen(job_w, "wb", closefd=False) as pipe:
+            with os.fdopen(job_w, "wb", closefd=True) as pipe:
+                job_w = -1  # closed with the file object
                 pipe.write(json.dumps(job).encode())
         except BrokenPipeError:
             pass  # the harness is gone already; reported below as setup_failed
-        finally:
-            os.close(job_w)
-            job_w = -1
         try:
             returncode = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             return "timeout", time.perf_counter() - start, ""
-        finally:
-            # Always (timeouts, and exceptions such as the scorer's soft-timeout signal) make sure it is gone.
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
         seconds = time.perf_counter() - start
         if not _was_ready(status_r):
             return "setup_failed", seconds, f"the sandbox was not built (exit status {returncode})"
         return ("ok" if returncode == 0 else "runtime_error"), seconds, ""
     finally:
+        # Always (timeouts, and exceptions such as the scorer's soft-timeout signal anywhere above) make sure it
+        # is gone: killing the launcher kills the harness's process 1, and with it the whole pid namespace.
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
         if job_w >= 0:
             os.close(job_w)
         os.close(status_r)
