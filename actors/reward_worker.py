@@ -1,11 +1,19 @@
 """Reward worker: a Ray actor that scores trajectory groups coming from the rollout workers before they go to
-the replay queue. A thin wrapper around `rewards.scorer.Scorer`, which holds the logic and is tested without
-Ray. The driver creates `reward.num_workers` of them with `ray.remote(RewardWorker).options(num_cpus=...)`.
+the replay queue, and held-out responses for evaluation. A thin wrapper around `rewards.scorer.Scorer`, which
+holds the logic and is tested without Ray. The driver creates `reward.num_workers` of them with
+`ray.remote(RewardWorker).options(num_cpus=...)`; `score_on_workers` spreads an evaluation over them.
 """
 
+import logging
+from collections import Counter
+
 from protocols.reward import RewardConfig
-from protocols.trajectory import TrajectoryGroup
+from protocols.trajectory import Prompt, TrajectoryGroup, VerifierResult
 from rewards.scorer import Scorer
+
+log = logging.getLogger(__name__)
+# Slack on top of the per-sample limits for a whole evaluation chunk (process start, Ray transfer).
+_EVAL_SLACK_S = 60.0
 
 
 class RewardWorker:
@@ -17,6 +25,11 @@ class RewardWorker:
         """Fills `reward` and `result` of each trajectory; a failed check gives reward 0, never an exception."""
         return self.scorer.score_group(group)
 
+    def score_held_out(self, prompts: list[Prompt], responses: list[str]) -> list[VerifierResult]:
+        """Held-out scoring with the run's verifier, per-prompt verifiers, settings and limits. A failed check is
+        `correct=False` with `error` set; these samples stay out of `metrics()` (they are not training data)."""
+        return self.scorer.score(prompts, responses, count=False)
+
     def metrics(self) -> dict[str, float]:
         """`reward/*` counts since the last call (samples, errors by kind, mean verify time)."""
         return self.scorer.metrics()
@@ -26,3 +39,41 @@ class RewardWorker:
 
     def shutdown(self) -> None:
         self.scorer.close()
+
+
+def score_on_workers(reward_workers: list, prompts: list[Prompt], responses: list[str],
+                     cfg: RewardConfig) -> tuple[list[bool], Counter]:
+    """(correct per response, error counts by kind) for held-out responses, spread over the reward worker
+    actors. Never raises for a verifier's or a worker's failure: a verifier exception, timeout or crash, a
+    worker that died (`worker_died`) or did not answer in time (`worker_timeout`) counts as wrong."""
+    import ray
+
+    if not reward_workers:
+        raise ValueError("held-out evaluation needs at least one reward worker (reward.num_workers >= 1)")
+    n = len(reward_workers)
+    chunks = [list(range(i, len(prompts), n)) for i in range(n)]
+    refs = [w.score_held_out.remote([prompts[j] for j in c], [responses[j] for j in c])
+            for w, c in zip(reward_workers, chunks) if c]  # fmt: skip
+    correct = [False] * len(prompts)
+    errors: Counter = Counter()
+    for ref, chunk in zip(refs, [c for c in chunks if c]):
+        # Every sample is bounded by reward.timeout_s plus the scorer's kill grace; samples run one after another
+        # in the worst case.
+        limit = len(chunk) * (cfg.timeout_s + 3.0) + _EVAL_SLACK_S
+        try:
+            results = ray.get(ref, timeout=limit)
+        except ray.exceptions.GetTimeoutError:
+            log.warning("a reward worker gave no held-out scores within %.0f s; its %d samples count as wrong",
+                        limit, len(chunk))
+            errors["worker_timeout"] += len(chunk)
+            continue
+        except ray.exceptions.RayError as err:
+            log.warning("a reward worker failed during held-out evaluation (%s); its %d samples count as wrong",
+                        type(err).__name__, len(chunk))
+            errors["worker_died"] += len(chunk)
+            continue
+        for j, result in zip(chunk, results, strict=True):
+            correct[j] = bool(result.correct)
+            if result.error:
+                errors[result.error] += 1
+    return correct, errors

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from protocols.reward import CodeSandboxConfig, RewardConfig
 from protocols.trajectory import Prompt
+from rewards import sandbox_cgroup
 from rewards.code_sandbox import run_in_sandbox
 from rewards.registry import resolve_verifier
 from rewards.scorer import Scorer
@@ -103,6 +104,7 @@ def main() -> None:
     bare, boxed = sandbox_overhead_ms(args.runs)
     print(f"\ncode sandbox, median of {args.runs} runs of `{PROGRAM}`:")
     print(f"  bare subprocess {bare:6.1f} ms   sandbox {boxed:6.1f} ms   overhead {boxed - bare:6.1f} ms per execution")
+    print(f"  memory limit of the process tree: {sandbox_cgroup.scope()}")
 
 
 if __name__ == "__main__":

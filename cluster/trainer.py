@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from actors.controller import RolloutController
-from actors.reward_worker import RewardWorker
+from actors.reward_worker import RewardWorker, score_on_workers
 from actors.rollout_worker import RolloutWorker
 from cluster.learner_group import LearnerGroup
 from cluster.ray_setup import reward_options, rollout_options, start_ray
@@ -31,6 +31,7 @@ from learner.objective import (
 )
 from learner.batch import pad_per_token
 from protocols.config import RunConfig
+from protocols.reward import RewardConfig
 from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup, WeightVersion
 from rewards.datasets import load_prompts
 from rewards.registry import resolve_verifier
@@ -88,21 +89,26 @@ def staleness_metrics(trajectories: list[Trajectory], version: int) -> dict[str,
     return out
 
 
-def evaluate(workers: list, prompts: list[Prompt], verifier_name: str) -> float:
-    """Greedy held-out accuracy, prompts split over the rollout workers."""
+def evaluate(workers: list, prompts: list[Prompt], reward_workers: list, reward_cfg: RewardConfig,
+             report: dict | None = None) -> float:
+    """Greedy held-out accuracy: prompts split over the rollout workers, responses scored by the reward workers
+    (with their timeouts, each prompt's own verifier and the run's `reward.*` settings). A verifier error or
+    timeout, or a reward worker lost, counts as wrong and is logged with counts by kind (also put in `report`,
+    when given, as `eval/error_<kind>` and `eval/samples`); it never stops the run."""
     if not prompts:
         return float("nan")
-    spec = resolve_verifier(verifier_name)
     chunks = [prompts[i::len(workers)] for i in range(len(workers))]
     texts = ray.get([w.generate_greedy.remote(c) for w, c in zip(workers, chunks)])
-    correct = 0
-    for chunk, outs in zip(chunks, texts):
-        if spec.batched:
-            results = spec.fn(chunk, outs)
-        else:
-            results = [spec.fn(p, t) for p, t in zip(chunk, outs)]
-        correct += sum(bool(getattr(r, "correct", False)) for r in results)
-    return correct / len(prompts)
+    flat_prompts = [p for chunk in chunks for p in chunk]
+    flat_texts = [t for outs in texts for t in outs]
+    correct, errors = score_on_workers(reward_workers, flat_prompts, flat_texts, reward_cfg)
+    if errors:
+        log.warning("held-out evaluation: %d of %d checks failed and count as wrong (%s)", sum(errors.values()),
+                    len(prompts), ", ".join(f"{kind} {n}" for kind, n in sorted(errors.items())))
+    if report is not None:
+        report["eval/samples"] = len(prompts)
+        report.update({f"eval/error_{kind}": n for kind, n in errors.items()})
+    return sum(correct) / len(prompts)
 
 
 class Trainer:
@@ -209,7 +215,7 @@ class Trainer:
     def run(self) -> dict:
         cfg = self.cfg
         folder = RunFolder(cfg)
-        accuracy_before = evaluate(self.rollout_workers, self.eval_prompts, cfg.reward.verifier)
+        accuracy_before = evaluate(self.rollout_workers, self.eval_prompts, self.reward_workers, cfg.reward)
         log.warning("held-out accuracy before training: %.3f", accuracy_before)
         run_refs = [w.run.remote() for w in self.rollout_workers]
         totals = Counter()
@@ -236,7 +242,7 @@ class Trainer:
         ray.get(self.controller.stop.remote())
         worker_reports = ray.get(run_refs)
         self._sync_idle_workers()
-        accuracy_after = evaluate(self.rollout_workers, self.eval_prompts, cfg.reward.verifier)
+        accuracy_after = evaluate(self.rollout_workers, self.eval_prompts, self.reward_workers, cfg.reward)
         log.warning("held-out accuracy after training: %.3f", accuracy_after)
         self.learner.save_hf(folder.final_model_dir)
         stats = ray.get(self.controller.stats.remote())
@@ -287,7 +293,7 @@ class Trainer:
         ray.get(self.controller.stop.remote())
         ray.get(run_refs)
         self._sync_idle_workers()
-        accuracy = evaluate(self.rollout_workers, self.eval_prompts, self.cfg.reward.verifier)
+        accuracy = evaluate(self.rollout_workers, self.eval_prompts, self.reward_workers, self.cfg.reward)
         ray.get(self.controller.resume.remote())
         return accuracy
 

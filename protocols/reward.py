@@ -74,7 +74,8 @@ class CodeSandboxConfig(BaseModel):
     """CPU-time limit of one test run (RLIMIT_CPU), in seconds."""
 
     memory_mb: int = Field(512, ge=64, le=65536)
-    """Address-space limit per process (RLIMIT_AS), in MiB. Python itself needs about 30."""
+    """Memory limit in MiB: address space per process (RLIMIT_AS), and memory of the whole process tree
+    (its files in /tmp included) when a cgroup is used (`memory_cgroup`). Python itself needs about 30."""
 
     max_processes: int = Field(16, ge=1, le=4096)
     """Processes and threads the program may hold at once (RLIMIT_NPROC of a uid used by no one else)."""
@@ -85,13 +86,53 @@ class CodeSandboxConfig(BaseModel):
     tmpfs_mb: int = Field(64, ge=1, le=16384)
     """Size of the fresh in-memory folder mounted at /tmp (the program's working directory), in MiB."""
 
-    hide_paths: list[str] = Field(default_factory=lambda: ["/root", "/home", "/work", "/data", "/mnt"])
-    """Folders replaced by an empty one inside the sandbox so a program cannot read datasets, gold answers
-    or credentials. Add wherever your data lives. The Python standard library stays visible."""
+    readonly_paths: list[str] = Field(
+        default_factory=lambda: [
+            "/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32",
+            "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime", "/etc/alternatives",
+        ]
+    )  # fmt: skip
+    """The only host paths a program sees (read-only, at the same place; symlinks copied), besides the Python
+    prefix, which is always added. Everything else does not exist inside: home folders, data, /var, /run,
+    host sockets. The program's own /tmp (its working folder), /dev/shm and an empty /run are private. Never
+    list a folder that holds data, credentials or Unix sockets."""
 
-    sandbox_uid_base: int = Field(200000, ge=1000)
-    """Candidate programs run as uid `base + (pool process id mod 50000)`, a uid owning nothing, so the
-    process limit counts only that sandbox's processes."""
+    sandbox_uid_base: int = Field(200000, ge=1000, le=(1 << 32) - (1 << 22) - 2)
+    """Candidate programs run as uid `base + the launcher's pid`: the launcher lives as long as its sandbox and
+    pids are unique among live processes (below 2^22), so no two sandboxes running at once on a host share a uid
+    or its process limit. Pick a range no real user or container mapping uses."""
+
+    memory_cgroup: Literal["auto", "required", "off"] = "auto"
+    """Bound the whole process tree by `memory_mb` with a cgroup per run. `auto`: cgroup v2 (a delegated
+    subtree) or v1's memory hierarchy when writable, else only the per-process RLIMIT_AS (then a program may use
+    up to `max_processes * memory_mb`). `required`: a run without a writable memory cgroup fails closed (reward
+    0, counted as an error). `off`: per-process limit only."""
+
+    language_tags: list[str] = Field(default_factory=lambda: ["python", "py", "python3"], min_length=1)
+    """Fenced blocks whose language tag (the first word after the opening ```, any case) is one of these hold the
+    program; the last such block is run. Untagged blocks and other languages are never run."""
+
+    @model_validator(mode="after")
+    def _check_paths(self) -> "CodeSandboxConfig":
+        for path in self.readonly_paths:
+            if not path.startswith("/") or path.rstrip("/") == "" or ".." in path.split("/"):
+                raise ValueError(
+                    f"reward.code.readonly_paths entry {path!r} must be an absolute path below / without `..` "
+                    "(the whole root cannot be shown: list the folders programs need, e.g. /usr)"
+                )
+        return self
+
+
+class Gsm8kConfig(BaseModel):
+    """How the `gsm8k` verifier reads the answer from a response (see rewards/gsm8k.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["strict", "flexible"] = "flexible"
+    """`strict`: the answer is the number right after the response's last `####` (verl's default); a response
+    without it scores 0, so the policy must learn the format. `flexible`: the first number after the last
+    `####`, else the response's last number (for prompts that do not ask for `####`). In both, a minus between
+    two numbers is subtraction ("10 - 5" reads 5) and Unicode minus signs are minus ("−5" is -5)."""
 
 
 class RewardConfig(BaseModel):
@@ -116,6 +157,9 @@ class RewardConfig(BaseModel):
 
     shaping: ShapingConfig = Field(default_factory=ShapingConfig)
     """Format reward and length penalty composed with the task reward."""
+
+    gsm8k: Gsm8kConfig = Field(default_factory=Gsm8kConfig)
+    """Answer extraction of the `gsm8k` verifier; unused by the others."""
 
     code: CodeSandboxConfig = Field(default_factory=CodeSandboxConfig)
     """Sandbox limits for the `code` verifier; unused by the others."""

@@ -1,8 +1,11 @@
-"""Code verifier: extracts the program from the response's last ```python block and runs it against the
-prompt's test cases, each run in a fresh sandbox (rewards/_sandbox_harness.py): no network, its own pid and
-mount namespaces, an unprivileged uid, CPU, memory, process and output limits, and a wall-clock limit.
+"""Code verifier: extracts the program from the response's last block tagged with a configured language
+(```python) and runs it against the prompt's test cases, each run in a fresh sandbox
+(rewards/_sandbox_harness.py): an allow-listed environment, its own network, pid, mount, IPC and UTS namespaces,
+a read-only allow-list view of the filesystem, a uid no other live sandbox has, CPU, memory (a cgroup for the
+whole process tree where one is writable), process and output limits, and a wall-clock limit.
 """
 
+import fcntl
 import json
 import math
 import os
@@ -19,11 +22,19 @@ from typing import Any
 
 from protocols.reward import CodeSandboxConfig
 from protocols.trajectory import Prompt, VerifierResult
+from rewards import sandbox_cgroup
 from rewards.registry import register_verifier
 
 HARNESS = str(Path(__file__).with_name("_sandbox_harness.py"))
 SETUP_FAILED = 121
-_CODE_BLOCK = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
+READY = b"R"
+# The interpreter itself, not a virtual environment's link to it: the sandbox shows only the Python prefix.
+PYTHON = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+# The whole environment of the sandbox, given at process start (never the reward worker's own: it may hold
+# API tokens, and an environment block stays readable in /proc/self/environ even after os.environ.clear()).
+SANDBOX_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
+# A fenced block: its info string (language tag, maybe more words) and its body.
+_FENCED_BLOCK = re.compile(r"```([^\n`]*)\n(.*?)```", re.DOTALL)
 _STDERR_KEEP = 2000
 
 _config = CodeSandboxConfig()
@@ -38,10 +49,13 @@ def configure(cfg: CodeSandboxConfig, sample_timeout_s: float) -> None:
     _sample_budget_s = 0.9 * sample_timeout_s
 
 
-def extract_code(response: str) -> str | None:
-    """The last fenced block tagged python/py (or untagged); None when the response has none."""
-    blocks = _CODE_BLOCK.findall(response)
-    return blocks[-1] if blocks else None
+def extract_code(response: str, language_tags: list[str] | None = None) -> str | None:
+    """The body of the last fenced block whose language tag (the info string's first word, any case) is one of
+    `language_tags` (default: this process's `reward.code.language_tags`); None when there is none. Untagged
+    blocks and blocks in other languages (sample output, shell commands) are never the program."""
+    tags = {t.lower() for t in (_config.language_tags if language_tags is None else language_tags)}
+    programs = [body for info, body in _FENCED_BLOCK.findall(response) if (info.split() or [""])[0].lower() in tags]
+    return programs[-1] if programs else None
 
 
 @dataclass
@@ -64,11 +78,12 @@ def run_in_sandbox(
     timeout_s: float | None = None,
 ) -> RunResult:
     """Run `code` once in a fresh sandbox. With `fn_name` it is a function-call run; otherwise the program
-    reads `stdin` and its stdout is returned."""
+    reads `stdin` and its stdout is returned. Status `setup_failed` means the program never ran (the
+    sandbox could not be built: no unshare permission, a missing tool, a refused mount)."""
     workdir = tempfile.mkdtemp(prefix="relayrl-sbx-")
     timeout_s = cfg.run_timeout_s if timeout_s is None else timeout_s
     try:
-        paths = {name: os.path.join(workdir, name) for name in ("job.json", "stdin", "stdout", "stderr", "result")}
+        paths = {name: os.path.join(workdir, name) for name in ("stdin", "stdout", "stderr", "result")}
         with open(paths["stdin"], "w") as f:
             f.write(stdin)
         files = {name: open(paths[name], "rb" if name == "stdin" else "wb") for name in ("stdin", "stdout", "stderr", "result")}
@@ -84,19 +99,17 @@ def run_in_sandbox(
                 "max_processes": cfg.max_processes,
                 "max_output_bytes": cfg.max_output_bytes,
                 "tmpfs_mb": cfg.tmpfs_mb,
-                "hide_paths": cfg.hide_paths,
-                "uid": cfg.sandbox_uid_base + os.getpid() % 50000,
+                "readonly_paths": cfg.readonly_paths,
             }
-            with open(paths["job.json"], "w") as f:
-                json.dump(job, f)
-            status, seconds = _launch(paths["job.json"], files, timeout_s)
+            status, seconds, setup_error = _launch(job, files, cfg, timeout_s)
         finally:
             for f in files.values():
                 f.close()
+        stderr = _read_capped(paths["stderr"], _STDERR_KEEP)
         return RunResult(
             status=status,
             stdout=_read_capped(paths["stdout"], cfg.max_output_bytes),
-            stderr=_read_capped(paths["stderr"], _STDERR_KEEP),
+            stderr=f"{setup_error}: {stderr.strip()}" if setup_error else stderr,
             result=_read_capped(paths["result"], cfg.max_output_bytes),
             seconds=seconds,
         )
@@ -104,37 +117,82 @@ def run_in_sandbox(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _launch(job_path: str, files: dict, timeout_s: float) -> tuple[str, float]:
+def _open_cgroup(cfg: CodeSandboxConfig) -> sandbox_cgroup.RunCgroup | None:
+    if cfg.memory_cgroup == "off" or (cfg.memory_cgroup == "auto" and sandbox_cgroup.scope() == "per-process"):
+        return None
+    return sandbox_cgroup.RunCgroup(cfg.memory_mb << 20, cfg.max_processes)
+
+
+def _launch(job: dict, files: dict, cfg: CodeSandboxConfig, timeout_s: float) -> tuple[str, float, str]:
+    """(status, seconds, setup error text). The harness reads the job from a pipe and reports on a second
+    one that the sandbox is built; an exit without that report is `setup_failed`, whatever its status."""
+    start = time.perf_counter()
+    try:
+        cgroup = _open_cgroup(cfg)
+    except OSError as err:
+        return "setup_failed", time.perf_counter() - start, f"memory cgroup: {err}"
+    job_r, job_w = os.pipe()
+    status_r, status_w = os.pipe()
     cmd = [
         # pdeathsig: if this process dies (the scorer kills a hung pool process), the sandbox dies too.
         "setpriv", "--pdeathsig", "KILL", "--",
-        "unshare", "--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc", "--",
-        sys.executable, "-I", "-S", HARNESS, job_path,
+        "unshare", "--net", "--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child", "--",
+        PYTHON, "-I", "-S", HARNESS, str(job_r), str(status_w),
     ]  # fmt: skip
-    start = time.perf_counter()
-    proc = subprocess.Popen(
-        cmd,
-        stdin=files["stdin"],
-        stdout=files["stdout"],
-        stderr=files["stderr"],
-        pass_fds=(files["result"].fileno(),),
-        start_new_session=True,  # its own process group, so one killpg reaches unshare and the harness
-    )
+    proc = None
     try:
-        returncode = proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return "timeout", time.perf_counter() - start
+        try:
+            proc = subprocess.Popen(
+                cmd,
+                stdin=files["stdin"],
+                stdout=files["stdout"],
+                stderr=files["stderr"],
+                pass_fds=(files["result"].fileno(), job_r, status_w),
+                env=SANDBOX_ENV,
+                start_new_session=True,  # its own process group, so one killpg reaches unshare and the harness
+            )
+        except OSError as err:
+            return "setup_failed", time.perf_counter() - start, f"could not start {cmd[0]}: {err}"
+        finally:
+            os.close(job_r)
+            os.close(status_w)
+        # The launcher's pid is unique among live processes, and it lives exactly as long as the sandbox:
+        # so no two sandboxes running at once share a uid (nor the per-uid process limit).
+        job["uid"] = cfg.sandbox_uid_base + proc.pid
+        job["cgroup_procs"] = cgroup.procs_file if cgroup else ""
+        try:
+            with os.fdopen(job_w, "wb", closefd=True) as pipe:
+                job_w = -1  # closed with the file object
+                pipe.write(json.dumps(job).encode())
+        except BrokenPipeError:
+            pass  # the harness is gone already; reported below as setup_failed
+        try:
+            returncode = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return "timeout", time.perf_counter() - start, ""
+        seconds = time.perf_counter() - start
+        if not _was_ready(status_r):
+            return "setup_failed", seconds, f"the sandbox was not built (exit status {returncode})"
+        return ("ok" if returncode == 0 else "runtime_error"), seconds, ""
     finally:
-        # Always (timeouts, and exceptions such as the scorer's soft-timeout signal) make sure it is gone.
-        if proc.poll() is None:
+        # Always (timeouts, and exceptions such as the scorer's soft-timeout signal anywhere above) make sure it
+        # is gone: killing the launcher kills the harness's process 1, and with it the whole pid namespace.
+        if proc is not None and proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    seconds = time.perf_counter() - start
-    if returncode == 0:
-        return "ok", seconds
-    if returncode == SETUP_FAILED:
-        return "setup_failed", seconds
-    return "runtime_error", seconds
+        if job_w >= 0:
+            os.close(job_w)
+        os.close(status_r)
+        if cgroup is not None:
+            cgroup.remove()
+
+
+def _was_ready(status_r: int) -> bool:
+    fcntl.fcntl(status_r, fcntl.F_SETFL, os.O_NONBLOCK)
+    try:
+        return os.read(status_r, 1) == READY
+    except BlockingIOError:
+        return False
 
 
 def _read_capped(path: str, limit: int) -> str:
@@ -169,9 +227,12 @@ def run_test(code: str, test: dict[str, Any], cfg: CodeSandboxConfig, timeout_s:
     else:
         run = run_in_sandbox(code, cfg, stdin=str(test.get("input", "")), timeout_s=timeout_s)
     if run.status == "setup_failed":
+        # Fail closed: the sample scores 0 through the scorer's error path (counted, logged); the program
+        # never runs outside the sandbox.
         raise RuntimeError(
             f"the code sandbox could not start: {run.stderr.strip()}. It needs root (or CAP_SYS_ADMIN) for "
-            "`unshare --net --mount --pid` and util-linux's setpriv; run reward workers where that holds."
+            "`unshare --net --mount --pid --ipc --uts`, mounts and pivot_root, and util-linux's setpriv; run "
+            "reward workers where that holds."
         )
     if run.status != "ok":
         return False, run.status

@@ -1,9 +1,11 @@
 """LaTeX math verifier: the last `\\boxed{...}` of the response, compared with the gold answer by
 `math-verify` (symbolic and numeric equality of fractions, radicals, pi, intervals, sets, tuples,
-percentages, degrees, `\\text{}` answers and equations such as `x = 3`).
+percentages, degrees, `\\text{}` answers and equations such as `x = 3`). When either side does not parse to
+a mathematical object, only answers identical after `normalize` count, and an empty answer never does.
 """
 
 import logging
+import re
 
 from math_verify import parse, verify
 
@@ -14,6 +16,8 @@ from rewards.registry import register_verifier
 # before sympy sees them, and the scorer's per-sample timeout covers the rest.
 MAX_ANSWER_CHARS = 400
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
+# Spacing and sizing commands that never change an answer's meaning.
+_NO_MEANING = re.compile(r"\\left(?![a-zA-Z])|\\right(?![a-zA-Z])|\\[,;:! ]|~|\s+")
 
 
 def _drop_timeout_notice(record: logging.LogRecord) -> bool:
@@ -66,12 +70,28 @@ def _parse(latex: str) -> list:
     return parse(f"${latex}$", parsing_timeout=None)
 
 
+def normalize(latex: str) -> str:
+    """The text compared when an answer does not parse: surrounding `$` and a trailing period dropped, all
+    whitespace and the spacing commands `\\, \\; \\: \\! \\ ` and `~` removed, `\\left`/`\\right` dropped,
+    `\\dfrac`/`\\tfrac` written `\\frac`. `"$\\left( a, b \\right).$"` -> `"(a,b)"`."""
+    text = latex.strip().rstrip(".").strip("$").strip().rstrip(".")
+    text = _NO_MEANING.sub("", text)
+    return text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+
+
+def _parsed(result: list) -> bool:
+    # math-verify returns [sympy object, text] when it understood the answer, [text] or [] when not.
+    return any(not isinstance(item, str) for item in result)
+
+
 def is_equivalent(gold: str, candidate: str) -> bool:
-    """True when the two LaTeX answers denote the same value (gold first: math-verify is not symmetric)."""
+    """True when the two LaTeX answers denote the same value (gold first: math-verify is not symmetric).
+    If either does not parse, True only when both are identical after `normalize` and not empty: an empty
+    gold against `\\boxed{}` is 0, and an unparsable answer never matches by a loose comparison."""
     gold_parsed = _parse(gold)
     candidate_parsed = _parse(candidate)
-    if not gold_parsed or not candidate_parsed:
-        return gold.strip() == candidate.strip()
+    if not _parsed(gold_parsed) or not _parsed(candidate_parsed):
+        return normalize(gold) != "" and normalize(gold) == normalize(candidate)
     return bool(verify(gold_parsed, candidate_parsed, timeout_seconds=None))
 
 

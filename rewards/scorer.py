@@ -67,13 +67,23 @@ class Scorer:
         self._slots = [self._spawn() for _ in range(cfg.num_processes)]
 
     # ----- public API -------------------------------------------------------------------------------------
-    def score(self, prompts: list[Prompt], responses: list[str], num_tokens: list[int] | None = None) -> list[VerifierResult]:
+    def score(self, prompts: list[Prompt], responses: list[str], num_tokens: list[int] | None = None,
+              count: bool = True) -> list[VerifierResult]:
         """One result per response, in order. Never raises for a verifier's failure: that sample gets reward 0
-        and `error` set to `exception`, `timeout` or `crash`."""
+        and `error` set to `exception`, `timeout` or `crash`. `count=False` (held-out evaluation) keeps these
+        samples out of `metrics()`, except process restarts."""
         num_tokens = num_tokens if num_tokens is not None else [0] * len(responses)
         items = [(i, p, r, n) for i, (p, r, n) in enumerate(zip(prompts, responses, num_tokens, strict=True))]
         results: list[VerifierResult | None] = [None] * len(items)
-        self._run(self._make_units(items), results)
+        kept = self._counts
+        if not count:
+            self._counts = defaultdict(float)
+        try:
+            self._run(self._make_units(items), results)
+        finally:
+            if not count:
+                kept["restarts"] += self._counts["restarts"]
+                self._counts = kept
         return results  # type: ignore[return-value]
 
     def score_group(self, group: TrajectoryGroup) -> TrajectoryGroup:
@@ -323,10 +333,11 @@ def _child_main(read_fd: int, write_fd: int) -> None:
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     cfg = RewardConfig.model_validate(inbox.recv())
     try:
-        from rewards import code_sandbox
+        from rewards import code_sandbox, gsm8k
         from rewards.registry import resolve_verifier
 
         code_sandbox.configure(cfg.code, cfg.timeout_s)
+        gsm8k.configure(cfg.gsm8k)
         resolve_verifier(cfg.verifier)
     except Exception as err:  # noqa: BLE001 - reported to the parent, which raises with this text
         outbox.send(("init_error", f"{type(err).__name__}: {err}"))

@@ -5,7 +5,11 @@ import os
 from pathlib import Path
 
 
+import pytest
+
+from protocols.reward import Gsm8kConfig
 from protocols.trajectory import Prompt
+from rewards import gsm8k
 from rewards.gsm8k import extract_answer, gold_answer, parse_number, verify_gsm8k
 
 
@@ -50,6 +54,71 @@ def test_wrong_or_missing_number_scores_zero():
 def test_info_carries_extracted_and_gold():
     result = verify_gsm8k(_prompt("Janet ... #### 18"), "#### 18")
     assert result.info == {"extracted": "18", "gold": "18", "source": "marker"}
+
+
+def _verify(gold: str, response: str, mode: str) -> float:
+    gsm8k.configure(Gsm8kConfig(mode=mode))
+    try:
+        return verify_gsm8k(_prompt(gold), response).reward
+    finally:
+        gsm8k.configure(Gsm8kConfig())
+
+
+def test_default_mode_is_flexible():
+    # the shipped default keeps prompts that do not ask for "####" scoreable: "so 18.00 dollars" reads 18
+    assert Gsm8kConfig().mode == "flexible"
+    assert extract_answer("so 18.00 dollars") == ("18.00", "last_number")
+
+
+@pytest.mark.parametrize(
+    ("gold", "response", "strict", "flexible"),
+    [
+        # the number right after the last "####": both modes
+        ("18", "9 * 2 = 18\n#### 18", 1.0, 1.0),
+        ("18", "#### $18.", 1.0, 1.0),
+        # no marker: strict scores 0 (verl's default), flexible takes the last number
+        ("18", "so she makes 18 dollars", 0.0, 1.0),
+        # marker followed by words, then the number: not "right after" for strict; flexible finds it
+        ("18", "#### The answer is 18", 0.0, 1.0),
+        # a marker with the wrong number: 0 in both, even if the right one appears earlier
+        ("18", "18 is close, but #### 17", 0.0, 0.0),
+    ],
+)
+def test_strict_and_flexible_modes(gold, response, strict, flexible):
+    assert _verify(gold, response, "strict") == strict
+    assert _verify(gold, response, "flexible") == flexible
+
+
+@pytest.mark.parametrize("mode", ["strict", "flexible"])
+def test_subtraction_is_not_a_negative_number(mode):
+    # "10 - 5" is 10 minus 5: the last number is 5, never -5 (flexible); the same after the marker for both
+    assert extract_answer("She has 10 - 5", "flexible")[0] == "5"
+    assert extract_answer("(7) - 2 = 5", "flexible")[0] == "5"
+    assert _verify("5", "She has 10 - 5", "flexible") == 1.0
+    assert _verify("-5", "She has 10 - 5", "flexible") == 0.0
+    # a minus after a word or "=" is a sign: "is -5" and "x = -5" are -5
+    assert extract_answer("the change is -5", "flexible")[0] == "-5"
+    assert _verify("-5", "x = -5\n#### -5", mode) == 1.0
+
+
+@pytest.mark.parametrize("mode", ["strict", "flexible"])
+def test_unicode_minus_is_minus_for_answer_and_gold(mode):
+    # U+2212 "−5" is -5: it matches the gold -5 written either way, and never the gold 5
+    assert _verify("5", "#### \u22125", mode) == 0.0
+    assert _verify("-5", "#### \u22125", mode) == 1.0
+    assert _verify("\u22125", "#### -5", mode) == 1.0
+    assert _verify("#### \u22125", "#### \u22125", mode) == 1.0
+    assert parse_number("\u22125") == -5
+    # an en dash used as minus reads the same way
+    assert _verify("-5", "#### \u20135", mode) == 1.0
+
+
+@pytest.mark.parametrize("mode", ["strict", "flexible"])
+def test_every_test_row_solution_scores_one_in_both_modes(mode):
+    # the dataset's own solutions end in "#### N", so strict mode accepts them all too
+    path = gsm8k_dir() / "test.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    assert sum(_verify(r["answer"], r["answer"], mode) for r in rows) == 1319
 
 
 def test_every_test_row_solution_scores_one_and_other_answers_zero():

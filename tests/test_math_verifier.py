@@ -3,7 +3,7 @@
 import pytest
 
 from protocols.trajectory import Prompt
-from rewards.math_answer import gold_answer, is_equivalent, last_boxed, verify_math
+from rewards.math_answer import gold_answer, is_equivalent, last_boxed, normalize, verify_math
 
 
 def test_last_boxed_balances_nested_braces():
@@ -74,3 +74,40 @@ def test_no_boxed_and_overlong_answers_score_zero():
     prompt = Prompt(prompt_id="math/test/0", prompt_token_ids=[0], answer="3")
     assert verify_math(prompt, "the answer is 3").info["reason"] == "no_boxed"
     assert verify_math(prompt, r"\boxed{" + "1+" * 500 + "1}").info["reason"] == "answer_too_long"
+
+
+def test_empty_gold_against_empty_box_scores_zero():
+    # Neither side parses and both are empty: nothing was checked, so 0 (the old string fallback gave 1).
+    prompt = Prompt(prompt_id="math/test/0", prompt_token_ids=[0], answer="")
+    assert verify_math(prompt, r"the answer is \boxed{}").reward == 0.0
+    assert is_equivalent("", "") is False
+    assert is_equivalent("   ", "$ $") is False
+
+
+@pytest.mark.parametrize(
+    ("gold", "candidate", "equal"),
+    [
+        # "???" is no mathematical object: equal only to itself (after normalization), never to another text
+        ("???", "???", True),
+        ("???", " ??? ", True),
+        ("???", "!!!", False),
+        # a parsable answer against an unparsable gold (and the reverse) is compared as text: 3 is not "???"
+        ("???", "3", False),
+        ("3", "???", False),
+        # normalization: $, spacing commands, \left/\right, \dfrac and a trailing period do not count
+        (r"\{", r"$\{$.", True),
+        (r"\left\{ \right.", r"\{", True),
+        (r"\{", r"\}", False),
+    ],
+)
+def test_unparsable_answers_match_only_when_identical_after_normalization(gold, candidate, equal):
+    assert is_equivalent(gold, candidate) is equal
+
+
+def test_normalization_rules():
+    # "$\left( a, b \right).$": drop $, the period, \left, \right and spaces -> "(a,b)"
+    assert normalize(r"$\left( a, b \right).$") == "(a,b)"
+    # \dfrac and \tfrac are \frac; \, \; \! and ~ are spacing
+    assert normalize(r"\dfrac{1}{2}\,\;\!~") == r"\frac{1}{2}"
+    # \leftarrow is a command of its own, not \left
+    assert normalize(r"\leftarrow") == r"\leftarrow"

@@ -7,12 +7,16 @@ import socket
 import threading
 import time
 
+import pytest
+from pydantic import ValidationError
+
 from protocols.reward import CodeSandboxConfig
 from protocols.trajectory import Prompt
 from rewards import code_sandbox
 from rewards.code_sandbox import extract_code, run_in_sandbox, verify_code
 
-FAST = CodeSandboxConfig(run_timeout_s=2.0, cpu_time_s=2)
+# Wall limit generous for a loaded machine (sandbox start included); CPU limit short.
+FAST = CodeSandboxConfig(run_timeout_s=5.0, cpu_time_s=2)
 ECHO_TESTS = [{"input": "21\n", "output": "42\n"}, {"input": "5\n", "output": "10"}]
 
 
@@ -42,6 +46,32 @@ def _sandbox_processes_on_host() -> int:
 def test_extract_code_takes_last_python_block():
     assert extract_code("```python\na = 1\n```\ntext\n```py\nb = 2\n```") == "b = 2\n"
     assert extract_code("no code here") is None
+
+
+def test_extract_code_ignores_untagged_and_other_language_blocks():
+    # The program is the python block; the untagged block after it is sample output, the bash block a command.
+    response = "```python\nprint(1)\n```\nOutput:\n```\n1\n```\nRun:\n```bash\npython a.py\n```"
+    assert extract_code(response) == "print(1)\n"
+    # Only untagged blocks: no program at all (reward 0, reason no_code_block).
+    assert extract_code("```\nprint(1)\n```") is None
+    prompt = Prompt(prompt_id="code/test/0", prompt_token_ids=[0], tests=ECHO_TESTS)
+    assert verify_code(prompt, "```\nprint(int(input()) * 2)\n```").info["reason"] == "no_code_block"
+    # The tag is the info string's first word, compared in any case.
+    assert extract_code("```Python title=a.py\nx = 2\n```") == "x = 2\n"
+
+
+def test_language_tags_are_configurable():
+    response = "```python\nprint(1)\n```\n```cpp\nint main() {}\n```"
+    assert extract_code(response, ["cpp", "c++"]) == "int main() {}\n"
+    assert extract_code(response, ["rust"]) is None
+    # Through the config the code verifier uses: with only `py` allowed, a ```python block is not a program.
+    code_sandbox.configure(FAST.model_copy(update={"language_tags": ["py"]}), sample_timeout_s=30.0)
+    try:
+        prompt = Prompt(prompt_id="code/test/0", prompt_token_ids=[0], tests=ECHO_TESTS)
+        assert verify_code(prompt, _respond("print(int(input()) * 2)")).info["reason"] == "no_code_block"
+        assert verify_code(prompt, "```py\nprint(int(input()) * 2)\n```").reward == 1.0
+    finally:
+        code_sandbox.configure(FAST, sample_timeout_s=30.0)
 
 
 def test_stdio_program_passes_all_tests():
@@ -150,7 +180,21 @@ def test_output_is_capped():
 
 
 def test_program_runs_unprivileged_without_the_host_files():
-    code = "import json, os\nprint(json.dumps([os.getuid(), os.listdir('/work'), os.path.exists('/work/shared')]))"
-    uid, work, shared_visible = json.loads(run_in_sandbox(code, FAST).stdout)
+    code = (
+        "import json, os, sys\n"
+        "print(json.dumps([os.getuid(), os.path.exists('/work'), os.path.exists('/home'), os.listdir('/run'),\n"
+        "    os.listdir('/tmp'), os.listdir('/dev/shm'), sorted(p for p in os.listdir('/proc') if p.isdigit()),\n"
+        "    os.path.exists(sys.executable)]))"
+    )
+    uid, work, home, run, tmp, shm, pids, python = json.loads(run_in_sandbox(code, FAST).stdout)
     assert uid >= FAST.sandbox_uid_base
-    assert (work, shared_visible) == ([], False)
+    # No data or home folders; /run, /tmp and /dev/shm private and empty; only its own processes: the harness's
+    # supervisor (pid 1) and the program (pid 2); the interpreter is visible so programs may start Python again.
+    assert (work, home, run, tmp, shm, pids, python) == (False, False, [], [], [], ["1", "2"], True)
+
+
+def test_readonly_paths_must_be_absolute_folders_below_root():
+    for bad in (["/"], ["usr"], ["/usr/../root"]):
+        with pytest.raises(ValidationError, match="readonly_paths"):
+            CodeSandboxConfig(readonly_paths=bad)
+    assert CodeSandboxConfig(readonly_paths=["/usr", "/opt/tools"]).readonly_paths == ["/usr", "/opt/tools"]

@@ -38,6 +38,20 @@ def test_custom_float_verifier_by_import_path():
         scorer.close()
 
 
+def test_uncounted_scoring_leaves_the_training_metrics_alone():
+    # held-out evaluation scores with count=False: results as usual, reward/* counters untouched
+    scorer = _scorer("exact")
+    try:
+        scorer.score(_prompts(2), ["7", "8"])
+        held_out = scorer.score(_prompts(3), ["7", "7", "8"], count=False)
+        assert [r.correct for r in held_out] == [True, True, False]
+        metrics = scorer.metrics()
+        # only the 2 counted samples, 1 of them correct: mean reward 1/2
+        assert (metrics["reward/samples"], metrics["reward/mean"]) == (2, 0.5)
+    finally:
+        scorer.close()
+
+
 def test_slow_samples_time_out_while_the_others_score():
     scorer = _scorer("slow_when_asked", num_processes=2, timeout_s=0.5)
     try:
