@@ -1,6 +1,7 @@
 """Sequence parallelism: packing and slicing rows (pure functions), and two gloo ranks sharing one row whose loss,
 log-probs and summed gradients equal a single process scoring each sample whole."""
 
+import os
 import socket
 
 import pytest
@@ -294,3 +295,71 @@ def test_two_sp_ranks_match_one_process_loss_logprobs_and_gradients(sp_models, t
     results = torch.load(out)
     assert set(results) == {"kv1/one_sample", "kv1/packed", "kv2/packed", "kv1/packed/checkpointing"}
     _assert_equal_to_reference(results)
+
+
+# --- through a DeepSpeed engine (ZeRO-2, the SP mpu) ----------------------------------------------------------------
+
+
+def _deepspeed_worker(rank: int, world_size: int, port: int, folder: str, out_path: str) -> None:
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_grad
+    from transformers import AutoModelForCausalLM
+
+    from learner.sequence_parallel_rank import deepspeed_loss_scale, enable_sequence_parallel
+
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0", "DS_ACCELERATOR": "cpu"})
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False, rank=rank,
+                               world_size=world_size, init_method=f"tcp://127.0.0.1:{port}")
+    load = dict(attn_implementation="sdpa", dtype=torch.float32)
+    baseline = AutoModelForCausalLM.from_pretrained(folder, **load)
+    model = AutoModelForCausalLM.from_pretrained(folder, **load)
+    groups, mpu = enable_sequence_parallel(model, sp_size=2)
+    lr = 0.1
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr), mpu=mpu,
+        config={"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True, "gradient_clipping": 1.0,
+                "steps_per_print": 10**9})
+    # Each DP group trains on its own samples; the loss is normalized by the tokens of all of them.
+    cases = _cases()
+    per_dp = [cases["one_sample"], cases["packed"]][: groups.dp_size]
+    num_tokens = sum(len(r) for _, responses, _ in per_dp for r in responses)
+    prompts, responses, advantages = per_dp[groups.dp_rank]
+    row = pack_row(prompts, responses, PAD, {"advantages": advantages}, multiple_of=groups.sp_size)
+    shard = shard_row(row, groups.sp_rank, groups.sp_size)
+    loss, _ = _sp_loss(engine.module, shard, num_tokens)
+    engine.backward(loss * deepspeed_loss_scale(groups))
+    grads = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}
+    before = {n: p.detach().clone() for n, p in baseline.named_parameters()}
+    engine.step()
+    after = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    all_samples = [sum((list(c[i]) for c in per_dp), []) for i in range(3)]
+    reference = _reference(baseline, *all_samples, num_tokens)
+    # Log-probs are checked in the torch-path test; here the loss, the gradients and the step.
+    result = _compare(float(total), reference[1], grads, reference)
+    # SGD after clipping to norm 1 (DeepSpeed: scale by 1 / (norm + 1e-6) when the norm is over 1), with the norm
+    # and the gradient of the whole batch: a per-rank norm or gradient would move the weights differently.
+    norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in reference[2].values())))
+    scale = min(1.0, 1.0 / (norm + 1e-6))
+    result["grad_norm"] = norm
+    result["step_diff"] = max(float((after[n] - (before[n] - lr * scale * reference[2][n])).abs().max())
+                              for n in before)
+    if rank == 0:
+        torch.save(result, out_path)
+    dist.barrier()
+
+
+@pytest.mark.slow
+def test_deepspeed_zero2_engine_sums_sp_gradients(sp_models, tmp_path):
+    """2 ranks, sp 2: DeepSpeed reduces over the SP mpu's ranks and divides by dp = 1, so the step applies the
+    summed gradient of the whole row."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "result.pt"
+    mp.spawn(_deepspeed_worker, args=(2, _free_port(), sp_models["kv1"], str(out)), nprocs=2, join=True)
+    result = torch.load(out)
+    _assert_equal_to_reference({"deepspeed": result})
+    assert result["step_diff"] <= 1e-6
