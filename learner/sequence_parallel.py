@@ -167,6 +167,15 @@ def shard_row(row: SequenceRow, sp_rank: int, sp_size: int) -> SequenceRow:
     )
 
 
+def per_sample_to_columns(row: SequenceRow, values: Tensor) -> Tensor:
+    """(B, L) tensor holding `values[i]` (one per packed sample, shape (N,)) on sample i's columns and 0 (False)
+    on padding. For the sample mask, or a per-sequence divisor such as 1 / |y_i| of seq_mean_token_mean: a slice
+    may hold part of a sample, so such counts must come from the whole sample, not from the slice's loss_mask."""
+    index = row.sample_index.clamp(min=0)
+    picked = values.to(row.sample_index.device)[index]
+    return torch.where(row.sample_index >= 0, picked, torch.zeros((), dtype=values.dtype, device=picked.device))
+
+
 def response_values(row_values: Tensor, row: SequenceRow) -> list[list[float]]:
     """Per-sample response values (e.g. log-probs) from a (1, L) tensor over the whole row's columns."""
     flat = row_values[0].tolist()

@@ -11,6 +11,7 @@ from learner.sequence_parallel import (
     check_heads_split,
     pack_row,
     packed_causal_mask,
+    per_sample_to_columns,
     response_values,
     sequence_parallel_layout,
     sequence_parallel_logprobs,
@@ -123,6 +124,16 @@ def test_response_values_reads_per_sample_values_back():
     row = pack_row([[1], [4, 5]], [[2, 3], [6]], pad_id=0, multiple_of=4)
     values = torch.arange(8, dtype=torch.float32)[None] * 10  # column c holds 10 c
     assert response_values(values, row) == [[0.0, 10.0], [40.0]]
+
+
+def test_per_sample_values_reach_every_column_of_the_sample_in_any_slice():
+    row = pack_row([[1], [4, 5]], [[2, 3], [6]], pad_id=0, multiple_of=4)  # sample_index [0, 0, 0, 1, 1, 1, -1, -1]
+    sample_mask = torch.tensor([False, True])
+    columns = per_sample_to_columns(shard_row(row, 1, 2), sample_mask)  # slice 1: columns 4-7
+    assert columns.tolist() == [[True, True, False, False]]
+    # 1 / |y_i| for seq_mean_token_mean: |y_0| = 2, |y_1| = 1
+    inverse_lengths = per_sample_to_columns(row, torch.tensor([0.5, 1.0]))
+    assert inverse_lengths.tolist() == [[0.5, 0.5, 0.5, 1.0, 1.0, 1.0, 0.0, 0.0]]
 
 
 def test_pack_row_refuses_per_token_values_of_the_wrong_length():
@@ -347,9 +358,38 @@ def _deepspeed_worker(rank: int, world_size: int, port: int, folder: str, out_pa
     result["grad_norm"] = norm
     result["step_diff"] = max(float((after[n] - (before[n] - lr * scale * reference[2][n])).abs().max())
                               for n in before)
+    result["ds_ulysses_diff"] = _versus_deepspeed_ulysses(groups)
     if rank == 0:
         torch.save(result, out_path)
     dist.barrier()
+
+
+def _versus_deepspeed_ulysses(groups) -> float:
+    """Largest gap between our Ulysses attention and DeepSpeed's UlyssesSPAttentionHF (ALST) on the same slices
+    of random q, k, v: 4 heads, 1 KV head (copied to both ranks by both), 6 positions per rank."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from learner.sequence_parallel import UlyssesAttention
+
+    heads, kv_heads, head_dim, local = 4, 1, 64, 6
+    gen = torch.Generator().manual_seed(11)
+    full = [torch.randn(1, h, local * groups.sp_size, head_dim, generator=gen) for h in (heads, kv_heads, kv_heads)]
+    query, key, value = (t[:, :, groups.sp_rank * local: (groups.sp_rank + 1) * local] for t in full)
+    positions = torch.arange(groups.sp_rank * local, (groups.sp_rank + 1) * local)[None]
+
+    def layer():
+        module = torch.nn.Module()
+        module.num_key_value_groups, module.is_causal = heads // kv_heads, True
+        return module
+
+    ours, _ = UlyssesAttention(groups.sp_group, "sdpa", heads, kv_heads)(
+        sdpa_attention_forward, layer(), query, key, value, None, position_ids=positions)
+    deepspeed_attention = UlyssesSPAttentionHF(
+        attn=sdpa_attention_forward, batch_size=1, attn_head_count=heads, attn_head_size=head_dim,
+        kv_head_count=kv_heads, num_hidden_layers=1, process_group=groups.sp_group, seq_length_is_variable=True)
+    theirs, _ = deepspeed_attention(layer(), query, key, value, None, position_ids=positions)
+    return float((ours.reshape(theirs.shape) - theirs).abs().max())
 
 
 @pytest.mark.slow
@@ -363,3 +403,5 @@ def test_deepspeed_zero2_engine_sums_sp_gradients(sp_models, tmp_path):
     result = torch.load(out)
     _assert_equal_to_reference({"deepspeed": result})
     assert result["step_diff"] <= 1e-6
+    # DeepSpeed's own Ulysses attention runs on gloo too, and gives the same numbers as ours.
+    assert result["ds_ulysses_diff"] <= 1e-6
