@@ -198,7 +198,7 @@ def _reference(model, prompts, responses, advantages, num_tokens):
         lp = torch.log_softmax(logits[len(prompt) - 1: -1], dim=-1).gather(-1, torch.tensor(response)[:, None])[:, 0]
         loss = (lp * torch.tensor(adv)).sum() / num_tokens
         loss.backward()
-        total += float(loss)
+        total += float(loss.detach())
         logprobs.append(lp.detach().tolist())
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     return total, logprobs, grads
@@ -393,13 +393,16 @@ def _versus_deepspeed_ulysses(groups) -> float:
 
 
 @pytest.mark.slow
-def test_deepspeed_zero2_engine_sums_sp_gradients(sp_models, tmp_path):
-    """2 ranks, sp 2: DeepSpeed reduces over the SP mpu's ranks and divides by dp = 1, so the step applies the
-    summed gradient of the whole row."""
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_deepspeed_zero2_engine_sums_sp_gradients_and_averages_dp(sp_models, tmp_path, world_size):
+    """sp 2 over 2 ranks (dp 1) and over 4 ranks (dp 2, each DP group with its own samples): DeepSpeed reduces over
+    all ranks of the SP mpu and divides by dp, so with the loss share scaled by dp the step applies the gradient of
+    the whole batch, clipped by its norm."""
     import torch.multiprocessing as mp
 
     out = tmp_path / "result.pt"
-    mp.spawn(_deepspeed_worker, args=(2, _free_port(), sp_models["kv1"], str(out)), nprocs=2, join=True)
+    mp.spawn(_deepspeed_worker, args=(world_size, _free_port(), sp_models["kv1"], str(out)), nprocs=world_size,
+             join=True)
     result = torch.load(out)
     _assert_equal_to_reference({"deepspeed": result})
     assert result["step_diff"] <= 1e-6
