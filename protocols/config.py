@@ -133,6 +133,24 @@ class LearnerConfig(BaseModel):
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend: auto is nccl with GPUs, gloo on CPU."""
 
+    sequence_parallel_size: int = Field(1, ge=1)
+    """Ranks that share one sample, each holding a 1/sequence_parallel_size slice of its tokens (Ulysses sequence
+    parallelism, as in DeepSpeed's ALST): attention swaps sequence slices for head slices with an all-to-all.
+    Raise it when one response no longer fits on one device. num_ranks must be a multiple of it; the model's
+    attention heads (and its KV heads, or sequence_parallel_size divided by them) must split evenly over it.
+    1 turns it off."""
+
+    @model_validator(mode="after")
+    def _check_sequence_parallel(self) -> "LearnerConfig":
+        if self.num_ranks % self.sequence_parallel_size:
+            raise ValueError(
+                f"learner.sequence_parallel_size={self.sequence_parallel_size} does not divide "
+                f"learner.num_ranks={self.num_ranks}: the ranks form num_ranks / sequence_parallel_size "
+                f"data-parallel groups of sequence_parallel_size ranks each. Use a num_ranks that is a multiple of "
+                f"{self.sequence_parallel_size}, or a sequence_parallel_size that divides {self.num_ranks}"
+            )
+        return self
+
 
 class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")

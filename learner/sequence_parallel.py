@@ -1,0 +1,375 @@
+"""Sequence parallelism (Ulysses, the scheme of DeepSpeed's ALST for Hugging Face models): the ranks of one
+sequence-parallel (SP) group share one row of tokens, each holding a 1/sp slice of it along T. Everything but
+attention is per token, so it runs on the slice; attention swaps the sequence slice for a head slice with an
+all-to-all (each rank then sees the whole sequence for 1/sp of the heads) and swaps back afterwards.
+
+The learner packs samples into a row (`pack_row`), cuts this rank's slice (`shard_row`), runs the decoder with
+the attention swapped in (`install_ulysses_attention`, `sequence_parallel_logprobs`) and scores the slice's
+response tokens. Loss shares are sums over tokens divided by global counts, so summing the SP ranks' gradients
+gives the unsplit gradient. Pure torch; the DeepSpeed side is in learner/sequence_parallel_rank.py.
+"""
+
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+# --- groups -------------------------------------------------------------------------------------------------------
+
+
+def sequence_parallel_layout(world_size: int, sp_size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(sp_groups, dp_groups) of global ranks. SP groups are runs of consecutive ranks, as in DeepSpeed's
+    parallel_state_sp (so an SP group stays inside a node, where the all-to-alls are cheapest); the ranks at the
+    same place in each SP group form a data-parallel group. world 4, sp 2: sp [[0, 1], [2, 3]], dp [[0, 2], [1, 3]]."""
+    if sp_size < 1 or world_size % sp_size:
+        raise ValueError(
+            f"learner.sequence_parallel_size={sp_size} does not divide the {world_size} learner ranks; "
+            f"use a size that divides learner.num_ranks"
+        )
+    sp_groups = [list(range(start, start + sp_size)) for start in range(0, world_size, sp_size)]
+    dp_groups = [list(range(offset, world_size, sp_size)) for offset in range(sp_size)]
+    return sp_groups, dp_groups
+
+
+@dataclass
+class SequenceParallelGroups:
+    """This rank's place in the data-parallel x sequence-parallel grid, with its process groups."""
+
+    sp_group: dist.ProcessGroup | None
+    """Ranks sharing one row (all-to-alls in attention, gradient sum)."""
+    dp_group: dist.ProcessGroup | None
+    """Ranks at the same SP position in each SP group (they see different samples)."""
+    world_group: dist.ProcessGroup | None
+    """All ranks: ZeRO partitions and reduces gradients over sp x dp."""
+    sp_rank: int
+    sp_size: int
+    dp_rank: int
+    dp_size: int
+
+
+def build_sequence_parallel_groups(sp_size: int) -> SequenceParallelGroups:
+    """Create the SP and DP process groups of `sequence_parallel_layout`. Collective: every rank calls it, once,
+    after the default process group is up (torch.distributed.new_group must see the same calls on all ranks)."""
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    sp_groups, dp_groups = sequence_parallel_layout(world_size, sp_size)
+    mine: dict[str, dist.ProcessGroup] = {}
+    for kind, layout in (("sp", sp_groups), ("dp", dp_groups)):
+        for ranks in layout:
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine[kind] = group
+    world_group = dist.new_group(list(range(world_size)))
+    return SequenceParallelGroups(
+        sp_group=mine["sp"], dp_group=mine["dp"], world_group=world_group,
+        sp_rank=rank % sp_size, sp_size=sp_size, dp_rank=rank // sp_size, dp_size=world_size // sp_size,
+    )
+
+
+# --- rows and slices ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SequenceRow:
+    """Samples laid end to end in rows, in prediction coordinates: column c holds a token and what it predicts.
+    All tensors are (B, L); `pack_row` builds B = 1."""
+
+    input_ids: Tensor
+    position_ids: Tensor
+    """Positions restart at 0 at each packed sample: attention never crosses a restart."""
+    target_ids: Tensor
+    """The token column c predicts: the next token of the same sample (pad after a sample's last token)."""
+    loss_mask: Tensor
+    """bool: True where the target is a response token."""
+    sample_index: Tensor
+    """Which packed sample the column belongs to; -1 on padding."""
+    per_token: dict[str, Tensor] = field(default_factory=dict)
+    """Per response-token values (behavior_logprobs, advantages, ...) at the column that predicts the token; 0
+    elsewhere."""
+    response_columns: list[list[int]] = field(default_factory=list)
+    """Per sample, the row columns (in the unsharded row) that predict its response tokens, in order."""
+    start: int = 0
+    """Column of the unsharded row where this slice starts (0 for a whole row)."""
+
+
+def pack_row(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int,
+             per_token: dict[str, list[list[float]]] | None = None, multiple_of: int = 1) -> SequenceRow:
+    """Pack samples (prompt + response each) into one row, right-padded to a multiple of `multiple_of` (the SP
+    size, so every rank gets an equal slice). Response token j of a sample whose prompt has P tokens sits at the
+    sample's column P + j and is predicted by column P + j - 1, where its per-token values go.
+    Padding continues the last sample's positions, so a one-sample row stays one causal sequence (no mask needed)."""
+    if len(prompt_ids) != len(response_ids) or not prompt_ids:
+        raise ValueError(f"pack_row needs one prompt per response and at least one sample, got "
+                         f"{len(prompt_ids)} prompts and {len(response_ids)} responses")
+    per_token = per_token or {}
+    ids: list[int] = []
+    positions: list[int] = []
+    samples: list[int] = []
+    response_columns: list[list[int]] = []
+    for i, (prompt, response) in enumerate(zip(prompt_ids, response_ids)):
+        if not prompt:
+            raise ValueError(f"sample {i} has an empty prompt: its first response token would have no position "
+                             f"predicting it")
+        offset = len(ids)
+        ids.extend(prompt + response)
+        positions.extend(range(len(prompt) + len(response)))
+        samples.extend([i] * (len(prompt) + len(response)))
+        response_columns.append([offset + len(prompt) + j - 1 for j in range(len(response))])
+    length = -(-len(ids) // multiple_of) * multiple_of
+    num_pad = length - len(ids)
+    positions.extend(range(positions[-1] + 1, positions[-1] + 1 + num_pad))
+    samples.extend([-1] * num_pad)
+    ids.extend([pad_id] * num_pad)
+
+    target_ids = torch.full((1, length), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros((1, length), dtype=torch.bool)
+    values = {name: torch.zeros((1, length), dtype=torch.float32) for name in per_token}
+    for i, (columns, response) in enumerate(zip(response_columns, response_ids)):
+        if not columns:
+            continue
+        cols = torch.tensor(columns)
+        target_ids[0, cols] = torch.tensor(response, dtype=torch.long)
+        loss_mask[0, cols] = True
+        for name, rows in per_token.items():
+            if len(rows[i]) != len(response):
+                raise ValueError(f"per-token `{name}` of sample {i} has {len(rows[i])} values for "
+                                 f"{len(response)} response tokens")
+            values[name][0, cols] = torch.tensor(rows[i], dtype=torch.float32)
+    # Prompt columns predict the next prompt token too; only the response is scored, so they keep pad targets.
+    return SequenceRow(
+        input_ids=torch.tensor([ids], dtype=torch.long),
+        position_ids=torch.tensor([positions], dtype=torch.long),
+        target_ids=target_ids, loss_mask=loss_mask,
+        sample_index=torch.tensor([samples], dtype=torch.long),
+        per_token=values, response_columns=response_columns,
+    )
+
+
+def shard_row(row: SequenceRow, sp_rank: int, sp_size: int) -> SequenceRow:
+    """SP rank `sp_rank`'s slice of a row: columns [sp_rank * S, (sp_rank + 1) * S) with S = L / sp_size. Targets
+    were set on the whole row, so the last column of slice r predicts the first token of slice r + 1."""
+    length = row.input_ids.size(1)
+    if length % sp_size:
+        raise ValueError(f"a row of {length} columns does not split over learner.sequence_parallel_size={sp_size}; "
+                         f"pack it with multiple_of={sp_size}")
+    if not 0 <= sp_rank < sp_size:
+        raise ValueError(f"sp_rank={sp_rank} is outside the SP group of {sp_size} ranks")
+    size = length // sp_size
+    cols = slice(sp_rank * size, (sp_rank + 1) * size)
+    return replace(
+        row,
+        input_ids=row.input_ids[:, cols], position_ids=row.position_ids[:, cols],
+        target_ids=row.target_ids[:, cols], loss_mask=row.loss_mask[:, cols],
+        sample_index=row.sample_index[:, cols],
+        per_token={name: value[:, cols] for name, value in row.per_token.items()},
+        start=row.start + sp_rank * size,
+    )
+
+
+def per_sample_to_columns(row: SequenceRow, values: Tensor) -> Tensor:
+    """(B, L) tensor holding `values[i]` (one per packed sample, shape (N,)) on sample i's columns and 0 (False)
+    on padding. For the sample mask, or a per-sequence divisor such as 1 / |y_i| of seq_mean_token_mean: a slice
+    may hold part of a sample, so such counts must come from the whole sample, not from the slice's loss_mask."""
+    index = row.sample_index.clamp(min=0)
+    picked = values.to(row.sample_index.device)[index]
+    return torch.where(row.sample_index >= 0, picked, torch.zeros((), dtype=values.dtype, device=picked.device))
+
+
+def response_values(row_values: Tensor, row: SequenceRow) -> list[list[float]]:
+    """Per-sample response values (e.g. log-probs) from a (1, L) tensor over the whole row's columns."""
+    flat = row_values[0].tolist()
+    return [[flat[c] for c in columns] for columns in row.response_columns]
+
+
+def gather_sequence(shard_values: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """Concatenate the SP ranks' (B, S) slices along T into (B, L), in SP rank order. No gradient (for scoring)."""
+    parts = [torch.empty_like(shard_values) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, shard_values.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
+# --- the all-to-all --------------------------------------------------------------------------------------------
+
+
+def _all_to_all(x: Tensor, group: dist.ProcessGroup | None, scatter_dim: int, gather_dim: int) -> Tensor:
+    world = dist.get_world_size(group)
+    send = torch.stack(x.chunk(world, dim=scatter_dim)).contiguous()
+    received = torch.empty_like(send)
+    # gloo (CPU) and nccl both implement all_to_all_single.
+    dist.all_to_all_single(received, send, group=group)
+    return torch.cat(received.unbind(0), dim=gather_dim)
+
+
+class _SeqAllToAll(torch.autograd.Function):
+    """Chunk `scatter_dim` over the group, send chunk j to rank j, join what arrives along `gather_dim`. The op
+    only moves numbers, so its backward is the same exchange with the two dims swapped."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group, scatter_dim: int, gather_dim: int) -> Tensor:
+        ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
+        return _all_to_all(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _all_to_all(grad.contiguous(), ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
+
+
+def seq_all_to_all(x: Tensor, group: dist.ProcessGroup | None, scatter_dim: int, gather_dim: int) -> Tensor:
+    """Differentiable all-to-all: e.g. (B, H, S, D) scattered on heads (1), gathered on T (2) -> (B, H/sp, L, D)."""
+    return _SeqAllToAll.apply(x, group, scatter_dim, gather_dim)
+
+
+# --- attention ----------------------------------------------------------------------------------------------------
+
+
+def packed_causal_mask(position_ids: Tensor) -> Tensor | None:
+    """(B, 1, L, L) bool mask, True where query t may see key s: s <= t and no position restart between them.
+    None when no row restarts (plain causal attention, which sdpa does without a mask)."""
+    starts = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    if not bool(starts.any()):
+        return None
+    segment = torch.cat([torch.zeros_like(position_ids[:, :1]), starts.long()], dim=1).cumsum(dim=1)
+    length = position_ids.size(1)
+    causal = torch.ones((length, length), dtype=torch.bool, device=position_ids.device).tril()
+    same = segment[:, :, None] == segment[:, None, :]
+    return (same & causal)[:, None]
+
+
+# Set by the FlashAttention kernels from the local slice; wrong for the gathered sequence, so they are dropped
+# and the kernel derives them again from the gathered position_ids.
+_LOCAL_LENGTH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+class UlyssesAttention:
+    """Wraps a Hugging Face attention function (`sdpa`, `flash_attention_*`) for one SP group. Inputs are this
+    rank's slice: q (B, H, S, D), k and v (B, KV, S, D); the output is (B, S, H, D) as HF attention returns it."""
+
+    def __init__(self, group: dist.ProcessGroup | None, implementation: str, num_heads: int, num_kv_heads: int):
+        self.group = group
+        self.implementation = implementation
+        self.sp_size = dist.get_world_size(group)
+        check_heads_split(num_heads, num_kv_heads, self.sp_size)
+        # With fewer KV heads than SP ranks each rank takes one KV head, copied sp / KV times (as ALST does).
+        self.kv_repeat = max(1, self.sp_size // num_kv_heads)
+
+    def __call__(self, core: Callable, module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                 attention_mask, *args, **kwargs):
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            raise ValueError("sequence parallel attention needs position_ids in the model call: without them each "
+                             "rank numbers its slice from 0 and the gathered row looks like packed sequences")
+        positions = gather_sequence(positions.expand(query.size(0), -1), self.group)
+        if self.kv_repeat > 1:
+            key = key.repeat_interleave(self.kv_repeat, dim=1)
+            value = value.repeat_interleave(self.kv_repeat, dim=1)
+        query = seq_all_to_all(query, self.group, scatter_dim=1, gather_dim=2)
+        key = seq_all_to_all(key, self.group, scatter_dim=1, gather_dim=2)
+        value = seq_all_to_all(value, self.group, scatter_dim=1, gather_dim=2)
+        for name in _LOCAL_LENGTH_KWARGS:
+            kwargs.pop(name, None)
+        kwargs["position_ids"] = positions
+        # HF built `attention_mask` for the local slice length. FlashAttention reads packing from position_ids;
+        # sdpa gets a block-diagonal mask only when the row holds several sequences (is_causal otherwise).
+        mask = None if "flash" in self.implementation else packed_causal_mask(positions)
+        groups_before = module.num_key_value_groups
+        module.num_key_value_groups = query.size(1) // key.size(1)
+        try:
+            out, weights = core(module, query, key, value, mask, *args, **kwargs)
+        finally:
+            module.num_key_value_groups = groups_before
+        # (B, L, H/sp, D) -> (B, S, H, D)
+        return seq_all_to_all(out, self.group, scatter_dim=1, gather_dim=2), weights
+
+
+def check_heads_split(num_heads: int, num_kv_heads: int, sp_size: int) -> None:
+    if num_heads % sp_size:
+        raise ValueError(f"learner.sequence_parallel_size={sp_size} does not divide the model's {num_heads} "
+                         f"attention heads; each SP rank attends with an equal share of heads. Use a size that "
+                         f"divides {num_heads}")
+    if num_kv_heads % sp_size and sp_size % num_kv_heads:
+        raise ValueError(f"learner.sequence_parallel_size={sp_size} and the model's {num_kv_heads} KV heads do not "
+                         f"divide one another; use a size that divides {num_kv_heads} or a multiple of it")
+
+
+SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3")
+
+
+def install_ulysses_attention(model: torch.nn.Module, group: dist.ProcessGroup | None,
+                              attention_functions: MutableMapping[str, Callable]) -> int:
+    """Make `model`'s attention layers run Ulysses attention over `group`; returns how many layers.
+
+    `attention_functions` is transformers' ALL_ATTENTION_FUNCTIONS (passed in to keep this module torch-only).
+    Like DeepSpeed's UlyssesSPAttentionHF.register_with_transformers, the model's own implementation key (e.g.
+    `sdpa`) is replaced by a wrapper, so every HF code path that checks that key still runs; unlike it, the
+    wrapper only reroutes layers marked here, so other models in the process (a reference model without SP,
+    a test's baseline) keep plain attention."""
+    config = model.config
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in SUPPORTED_ATTENTION:
+        raise ValueError(f"sequence parallelism needs the model loaded with attn_implementation in "
+                         f"{SUPPORTED_ATTENTION}, got {implementation!r}: eager attention needs a full (L, L) mask "
+                         f"per layer. Load it with attn_implementation='sdpa' (CPU) or 'flash_attention_2' (GPU)")
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    ulysses = UlyssesAttention(group, implementation, text_config.num_attention_heads,
+                               getattr(text_config, "num_key_value_heads", text_config.num_attention_heads))
+    layers = 0
+    for module in model.modules():
+        if hasattr(module, "num_key_value_groups") and hasattr(module, "head_dim"):
+            module.ulysses_attention = ulysses
+            layers += 1
+    if not layers:
+        raise ValueError(f"found no attention layer in {type(model).__name__} (looked for modules with "
+                         f"num_key_value_groups and head_dim, as Llama/Qwen/Mistral attention has)")
+    core = attention_functions[implementation]
+    if not getattr(core, "dispatches_ulysses", False):
+        attention_functions[implementation] = _dispatcher(core)
+    return layers
+
+
+def remove_ulysses_attention(model: torch.nn.Module) -> None:
+    """Back to plain attention for `model` (the wrapper stays installed and passes through)."""
+    for module in model.modules():
+        if hasattr(module, "ulysses_attention"):
+            del module.ulysses_attention
+
+
+def _dispatcher(core: Callable) -> Callable:
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        ulysses = getattr(module, "ulysses_attention", None)
+        if ulysses is None:
+            return core(module, query, key, value, attention_mask, *args, **kwargs)
+        return ulysses(core, module, query, key, value, attention_mask, *args, **kwargs)
+
+    attention.dispatches_ulysses = True
+    return attention
+
+
+# --- scoring ------------------------------------------------------------------------------------------------------
+
+
+def sequence_parallel_hidden_states(model: torch.nn.Module, shard: SequenceRow) -> Tensor:
+    """(B, S, hidden) final hidden states of this rank's slice. `model` is the HF causal LM (under DeepSpeed,
+    `engine.module`) with `install_ulysses_attention` applied; every SP rank must call it together."""
+    out = model.get_decoder()(input_ids=shard.input_ids, position_ids=shard.position_ids, use_cache=False)
+    return out.last_hidden_state
+
+
+def token_logprobs_from_hidden(hidden: Tensor, lm_head: torch.nn.Module, target_ids: Tensor,
+                               temperature: float = 1.0) -> Tensor:
+    """(B, S) fp32 log p(target) from hidden states. Materializes (B, S, V) for the slice only; a chunked scorer
+    with the same signature can replace it."""
+    logits = lm_head(hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    picked = torch.gather(logits, -1, target_ids.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def sequence_parallel_logprobs(model: torch.nn.Module, shard: SequenceRow, temperature: float = 1.0,
+                               score: Callable[..., Tensor] = token_logprobs_from_hidden) -> Tensor:
+    """(B, S) log-probs of the targets of this rank's slice (meaningful where `shard.loss_mask`). Gradients flow
+    through the all-to-alls: after backward, the sum over the SP group of each rank's parameter gradients is the
+    gradient of the whole row (so reduce with SUM over SP ranks, never the mean)."""
+    hidden = sequence_parallel_hidden_states(model, shard)
+    return score(hidden, model.get_output_embeddings(), shard.target_ids, temperature)
