@@ -138,12 +138,10 @@ def main() -> int:
                     except torch.cuda.OutOfMemoryError as err:
                         row = {"path": path, "resp": resp_len, "gc": gc_on,
                                "error": f"OOM ({str(err).splitlines()[0][:120]})"}
-                        err = None  # drop the traceback's frames, and with them the row's tensors
                     except (RuntimeError, ValueError) as err:  # report the row and go on to the next
                         row = {"path": path, "resp": resp_len, "gc": gc_on,
                                "error": f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"}
-                        err = None
-                    gc.collect()
+                    gc.collect()  # the handled error's frames held the row's tensors; they are gone now
                     free_memory()
                     print(fmt(row), flush=True)
     print(f"# wall {time.perf_counter() - start:.0f}s")
