@@ -46,7 +46,9 @@ def test_each_engine_sees_only_increasing_versions():
     result = simulate(small(max_staleness=2))
     for seen in result.versions_seen:
         assert seen[0] == 0 and all(a < b for a, b in zip(seen, seen[1:]))
-    assert max(max(seen) for seen in result.versions_seen) == 10  # the last publish reaches the engines
+    # versions 1..9 reach the engines; 10 comes with the stop flag, and a worker leaves without loading it (as
+    # RolloutWorker.run does: the trainer loads the final weights afterwards for evaluation)
+    assert max(max(seen) for seen in result.versions_seen) == 9
 
 
 def test_async_throughput_beats_sync_on_balanced_long_tails():
