@@ -133,8 +133,8 @@ class SimulatorConfig(BaseModel):
 
     def synchronous(self, even_split: bool = True) -> "SimulatorConfig":
         """The synchronous baseline with the same engines, lengths and learner. `even_split` sets
-        prompts_in_flight to the engine's share of a batch: otherwise the first workers to ask take
-        prompts_in_flight groups each and the rest stay idle for the whole batch."""
+        prompts_in_flight to the engine's share of a batch (the controller's fair share at max_staleness 0 caps
+        it there anyway; without it, workers ask for more than they can get)."""
         update = {"max_staleness": 0, "partial_rollouts": False}
         if even_split:
             update["prompts_in_flight"] = -(-self.prompts_per_step // self.num_engines)

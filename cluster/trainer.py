@@ -14,7 +14,7 @@ import ray
 import torch
 from tqdm import tqdm
 
-from actors.controller import RolloutController
+from actors.controller import ControllerActor
 from actors.reward_worker import RewardWorker
 from actors.rollout_worker import RolloutWorker
 from cluster.learner_group import LearnerGroup
@@ -128,7 +128,9 @@ class Trainer:
         self.eval_prompts = self.eval_prompts[: cfg.data.num_eval_prompts]
         self.data_counts = {k: self.data_counts.get(k, 0) + eval_counts.get(k, 0) for k in {**self.data_counts, **eval_counts}}
         start_ray(cfg)
-        self.controller = ray.remote(RolloutController).options(num_cpus=0).remote(
+        # every rollout worker keeps one long poll (`watch`) open, so the actor serves more calls than workers
+        self.controller = ray.remote(ControllerActor).options(
+            num_cpus=0, max_concurrency=max(1000, 2 * cfg.rollout.num_workers + 64)).remote(
             self.train_prompts, cfg.learner.prompts_per_step, cfg.train.max_staleness,
             cfg.algorithm.dynamic_sampling, cfg.train.seed, cfg.rollout.num_workers)
         self.reward_workers = [ray.remote(RewardWorker).options(**reward_options(cfg)).remote(cfg.reward, i)
