@@ -275,7 +275,13 @@ class RolloutController:
     def _put(self, group: TrajectoryGroup) -> bool:
         if not self._end_lease(group.group_id):
             return False
-        return self.queue.put(group)
+        queued = self.queue.put(group)
+        if queued:
+            self._queue_grew()
+        return queued
+
+    def _queue_grew(self) -> None:
+        """Hook: a batch may be ready (the Ray actor wakes the driver's `wait_batch`)."""
 
     def report_dropped(self, reason: str, count: int = 1, group_ids: list[str] | None = None) -> None:
         """Groups a worker abandoned (for example its requests failed); they free admission budget. With
@@ -296,6 +302,9 @@ class RolloutController:
     # --- driver ------------------------------------------------------------------------------------------------
     def take_batch(self, learner_version: int) -> list[TrajectoryGroup] | None:
         self.calls["take_batch"] += 1
+        return self._take_batch(learner_version)
+
+    def _take_batch(self, learner_version: int) -> list[TrajectoryGroup] | None:
         self.learner_version = learner_version
         batch = self.queue.take(self.prompts_per_step, learner_version)
         self._wake_waiters()  # stale drops free budget
@@ -373,11 +382,31 @@ class ControllerActor(RolloutController):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._changed: asyncio.Event | None = None
+        self._grew: asyncio.Event | None = None  # separate, so a queued group does not wake every watch
 
     def _notify(self) -> None:
         if self._changed is not None:
             self._changed.set()
             self._changed = None
+
+    def _queue_grew(self) -> None:
+        if self._grew is not None:
+            self._grew.set()
+            self._grew = None
+
+    async def wait_batch(self, learner_version: int, timeout_s: float = 1.0) -> list[TrajectoryGroup] | None:
+        """Long poll for `take_batch`: the next batch once it is complete, or None after `timeout_s`, so the
+        driver makes about one call per step instead of polling."""
+        self.calls["wait_batch"] += 1
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while (batch := self._take_batch(learner_version)) is None:
+            if self._grew is None:
+                self._grew = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._grew.wait(), deadline - asyncio.get_running_loop().time())
+            except asyncio.TimeoutError:
+                return None
+        return batch
 
     async def watch(self, worker_id: int, known_version: int) -> WatchReply:
         """Long poll: returns once there is news for this worker (newer weights, stop, freed budget)."""

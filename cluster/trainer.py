@@ -147,11 +147,10 @@ class Trainer:
 
     def _wait_for_batch(self) -> tuple[list[TrajectoryGroup], float]:
         start = time.perf_counter()
-        while True:
-            groups = ray.get(self.controller.take_batch.remote(self.version))
+        while True:  # a long poll: the controller answers once the batch is complete (or after 1 s)
+            groups = ray.get(self.controller.wait_batch.remote(self.version, 1.0))
             if groups is not None:
                 return groups, time.perf_counter() - start
-            time.sleep(0.005)
 
     def step(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
         """One learner update on a batch of groups, then publish the new weights."""

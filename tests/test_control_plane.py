@@ -178,6 +178,13 @@ def test_controller_actor_resolves_scored_refs_and_long_polls(ray_cluster):
         stats = ray.get(actor.stats.remote())
         assert stats["queue/depth"] == 1 and stats["queue/dropped_reward_failed"] == 1
         assert stats["queue/leased"] == 0
+        # the driver's long poll: one group queued of the 2 a batch needs, so it times out with None ...
+        assert ray.get(actor.wait_batch.remote(0, 0.2)) is None
+        batch = actor.wait_batch.remote(0, 30.0)
+        granted = ray.get(actor.sync.remote(SyncRequest(worker_id=0, version=0, want=1))).granted
+        ray.get(actor.sync.remote(SyncRequest(worker_id=0, version=0, scored=[(granted[0][0], scored.remote("g2"))])))
+        # ... and answers as soon as the second one is queued
+        assert [g.group_id for g in ray.get(batch, timeout=30)] == ["g0", "g2"]
         ray.get(actor.publish.remote(WeightVersion(version=1), ["w1"]))
         assert ray.get(watch, timeout=30) == WatchReply(stop=False, weights=(1, ["w1"]))
     finally:
