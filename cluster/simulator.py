@@ -16,8 +16,8 @@ Stand-ins: decode timing (continuous batching; a step costs a + b * running sequ
 running sequence; requests beyond max_num_seqs wait FCFS as in vLLM's scheduler; prefill is not modelled),
 response lengths (lognormal plus a share that runs to max_response_tokens, as in long chain-of-thought),
 rewards (Bernoulli per sample at a per-prompt success rate), reward workers (instant), a weight load (a fixed
-pause) and the learner step (c + d * tokens). The trainer's 5 ms poll and the worker's 3 ms idle sleep are
-replaced by reacting at once to the events that can change their answer (and counted, see above).
+pause) and the learner step (c + d * tokens). The driver's long poll for a batch (`wait_batch`) and the worker's
+3 ms idle sleep are replaced by reacting at once to the events that can change their answer.
 """
 
 import functools
