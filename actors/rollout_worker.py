@@ -2,7 +2,8 @@
 
 It drives the engine one decode step at a time, so between two steps it can load newer weights (a safe point):
 every response token is stamped with the policy version that sampled it, which keeps the importance
-correction exact under partial rollouts. Scored groups go to the controller's replay queue.
+correction exact under partial rollouts. Scored groups go to the controller's replay queue; the worker calls
+the controller once per batch of groups (`actors/worker_policy.py` decides when), not once per decode step.
 """
 
 import logging
@@ -12,6 +13,7 @@ import zlib
 
 import ray
 
+from actors.worker_policy import PolicySettings, WorkerPolicy
 from learner.weight_transport import unpack_state_dict
 from protocols.config import RunConfig
 from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup
@@ -146,78 +148,83 @@ class RolloutWorker:
         del active[group_id]
         return TrajectoryGroup(group_id=group_id, trajectories=group.trajectories)
 
-    def _send_to_reward(self, group: TrajectoryGroup, pending: list) -> None:
+    def _send_to_reward(self, group: TrajectoryGroup) -> None:
         worker = self.reward_workers[self._reward_rr % len(self.reward_workers)]
         self._reward_rr += 1
-        pending.append(worker.score_group.remote(group))
+        self.scoring[worker.score_group.remote(group)] = group.group_id
 
-    def _forward_scored(self, pending: list, block: bool = False) -> None:
-        """Hand scored groups to the queue as object refs, so the data goes reward worker -> controller directly."""
-        if not pending:
+    def _collect_scored(self, block: bool = False) -> None:
+        """Hand the policy the reward tasks that finished, as object refs: the controller resolves them, so the
+        data goes reward worker -> controller directly. `fetch_local=False` keeps ray.wait from pulling them
+        here; a failed task is counted as dropped by the controller."""
+        if not self.scoring:
             return
-        ready, rest = ray.wait(pending, num_returns=len(pending), timeout=None if block else 0)
-        pending[:] = rest
+        ready, _ = ray.wait(list(self.scoring), num_returns=len(self.scoring), timeout=None if block else 0,
+                            fetch_local=False)
+        now = time.monotonic()
         for ref in ready:
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayError as err:
-                log.warning("reward worker failed on a group: %s", err)
-                self.controller.report_dropped.remote("reward_failed")
-                continue
-            self.controller.put.remote(ref)
+            self.policy.on_scored(self.scoring.pop(ref), ref, now)
+
+    def _check_watch(self) -> None:
+        """Read the long poll's answer locally (no controller call) and keep one open."""
+        if self._watch is not None and ray.wait([self._watch], timeout=0)[0]:
+            self.policy.on_watch(ray.get(self._watch))
+            self._watch = None
+        if self._watch is None and not self.policy.stopped:
+            self._watch = self.controller.watch.remote(self.worker_id, self.policy.version)
+
+    def _sync(self, stats: dict, start: float) -> None:
+        request = self.policy.request(time.monotonic(), len(self.active), self._report(stats, start))
+        for group_id, prompt in self.policy.on_reply(ray.get(self.controller.sync.remote(request))):
+            self._start_group(group_id, prompt, self.active, self.requests)
 
     def run(self) -> dict:
-        """Generate until the controller says stop. Returns this worker's counters."""
+        """Generate until the controller says stop. Returns this worker's counters. The decisions (when to call
+        the controller, what to ask, when to load weights) are `WorkerPolicy`'s; this loop carries them out."""
         cfg = self.cfg
-        partial = cfg.train.partial_rollouts and cfg.train.max_staleness > 0
-        active: dict[str, _GroupInFlight] = {}
-        requests: dict[str, tuple[str, int, int]] = {}
-        pending_rewards: list = []
+        self.policy = WorkerPolicy(PolicySettings.from_run(cfg), self.worker_id, self.version)
+        self.active: dict[str, _GroupInFlight] = {}
+        self.requests: dict[str, tuple[str, int, int]] = {}
+        self.scoring: dict = {}  # reward task ref -> group_id
+        self._watch = None
         stats = {"generate_s": 0.0, "idle_s": 0.0, "tokens": 0, "groups": 0, "steps": 0}
-        start = last_report = time.perf_counter()
-        stop = False
-        newer = None
+        start = time.perf_counter()
+        policy = self.policy
         while True:
-            if stats["steps"] % cfg.rollout.weight_sync_interval_steps == 0 or not active:
-                stop, polled = ray.get(self.controller.poll.remote(self.version))
-                newer = polled or newer
-            if stop:
+            if stats["steps"] % cfg.rollout.weight_sync_interval_steps == 0 or not self.active:
+                self._check_watch()
+            self._collect_scored()
+            if policy.sync_due(time.monotonic(), len(self.active)):
+                self._sync(stats, start)
+            if policy.stopped:
                 break
-            if newer and (partial or not active):
+            newer = policy.weights_to_load(len(self.active))
+            if newer:
                 self.load_weights(*newer)
-                newer = None
-            free = cfg.rollout.prompts_in_flight - len(active)
-            if free > 0 and newer is None:
-                stop, granted = ray.get(self.controller.acquire.remote(self.worker_id, self.version, free, len(active)))
-                for group_id, prompt in granted:
-                    self._start_group(group_id, prompt, active, requests)
-                if stop:
-                    break
+                policy.loaded(newer[0])
+                continue  # ask for work at the new version before the next step
             if self.engine.has_unfinished_requests():
                 t0 = time.perf_counter()
                 outputs = self.engine.step()
                 stats["generate_s"] += time.perf_counter() - t0
                 for out in outputs:
-                    group = self._on_output(out, active, requests)
+                    group = self._on_output(out, self.active, self.requests)
                     if group is not None:
                         stats["groups"] += 1
                         stats["tokens"] += sum(len(t.response_token_ids) for t in group.trajectories)
-                        self._send_to_reward(group, pending_rewards)
+                        self._send_to_reward(group)
             else:
                 t0 = time.perf_counter()
                 time.sleep(0.003)
                 stats["idle_s"] += time.perf_counter() - t0
             stats["steps"] += 1
-            self._forward_scored(pending_rewards)
-            if time.perf_counter() - last_report > 1.0:
-                last_report = time.perf_counter()
-                self.controller.report_worker_stats.remote(self.worker_id, self._report(stats, start))
-        if requests:
-            self.engine.abort_request(list(requests))
-            self.controller.report_dropped.remote("aborted_at_stop", len(active))
-        self._forward_scored(pending_rewards, block=True)
+        if self.requests:
+            self.engine.abort_request(list(self.requests))
+            self.requests.clear()
+        self._collect_scored(block=True)
         report = self._report(stats, start)
-        self.controller.report_worker_stats.remote(self.worker_id, report)
+        ray.get(self.controller.sync.remote(self.policy.final_request(list(self.active), report)))
+        self.active.clear()
         return report
 
     def _report(self, stats: dict, start: float) -> dict:

@@ -25,7 +25,7 @@ def scenarios(base: SimulatorConfig) -> list[tuple[str, SimulatorConfig]]:
                  balanced(base.model_copy(update={"drop_zero_variance": True}))))
     rows.append(("balanced short-tail (sigma 0.2, none at max)",
                  balanced(base.model_copy(update={"length_sigma": 0.2, "max_length_fraction": 0.0}))))
-    rows.append(("synchronous, greedy acquire (same pif)", base.synchronous(even_split=False)))
+    rows.append(("synchronous, same pif (fair share caps it)", base.synchronous(even_split=False)))
     return rows
 
 

@@ -1,20 +1,23 @@
 """Scale simulator: the real controller, replay queue and staleness rules, driven on a virtual clock by timed
 stand-ins for the vLLM engines and the learner, so hundreds of engines with long-tailed lengths run in seconds.
 
-Real code, called as the Ray actors call it: `RolloutController` (admission budget, prompt cursor, `acquire`,
-`put`, `report_dropped`, `take_batch`, `publish`, `latest_weights`, `stop`), the `ReplayQueue` inside it
-(staleness and zero-variance drops, accounting) and the `Prompt` / `Trajectory` / `TrajectoryGroup` records with
-per-token `token_versions`. Mirrored from `RolloutWorker.run` (same rules, re-written for the clock): at most
-`prompts_in_flight` groups per engine, acquire only with free group slots and no pending weights, poll the
-weights before every decode step, load them at a safe point between steps (at once with partial rollouts, after
-draining otherwise), leave on the controller's stop flag and report the aborted groups. The learner loop mirrors
-`Trainer.run`: take a full batch at its version, train, publish version + 1.
+Real code, called as the Ray actors call it: `RolloutController` (admission budget and fair share, leases,
+prompt cursor, `sync`, `watch_news`, `take_batch`, `publish`, `stop`), the `ReplayQueue` inside it (staleness
+and zero-variance drops, accounting), the `Prompt` / `Trajectory` / `TrajectoryGroup` records with per-token
+`token_versions`, and each worker's `WorkerPolicy` (`actors/worker_policy.py`), the same object
+`RolloutWorker.run` consults at every safe point: when to call `sync`, how many groups to ask for, when to load
+weights (at once with partial rollouts, after draining otherwise), when to leave. A worker's long poll is
+delivered the moment the controller has news for it. The simulator counts controller calls by method; under
+`control="legacy"` the policy runs the old per-decode-step loop and the calls it made between two simulated
+events (a poll and an acquire per decode step, 333 per second while idle, a stats report per second) are
+counted from the steps and the idle time. The learner loop mirrors `Trainer.run`: take a full batch at its
+version, train, publish version + 1.
 Stand-ins: decode timing (continuous batching; a step costs a + b * running sequences and emits one token per
 running sequence; requests beyond max_num_seqs wait FCFS as in vLLM's scheduler; prefill is not modelled),
 response lengths (lognormal plus a share that runs to max_response_tokens, as in long chain-of-thought),
 rewards (Bernoulli per sample at a per-prompt success rate), reward workers (instant), a weight load (a fixed
-pause) and the learner step (c + d * tokens). The trainer's 5 ms poll and the worker's 3 ms idle sleep are
-replaced by reacting at once to the events that can change their answer.
+pause) and the learner step (c + d * tokens). The driver's long poll for a batch (`wait_batch`) and the worker's
+3 ms idle sleep are replaced by reacting at once to the events that can change their answer.
 """
 
 import functools
@@ -22,13 +25,20 @@ import gc
 import heapq
 import math
 import random
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from actors.controller import RolloutController
+from actors.replay_queue import group_has_signal
+from actors.worker_policy import PolicySettings, WorkerPolicy, legacy_calls
 from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup, WeightVersion
+
+LEGACY_IDLE_SLEEP_S = 0.003
+"""The old worker loop's sleep between controller polls while its engine had nothing to decode."""
+LEGACY_STATS_INTERVAL_S = 1.0
 
 
 class SimulatorConfig(BaseModel):
@@ -103,6 +113,17 @@ class SimulatorConfig(BaseModel):
     seed: int = 0
     """Seeds prompt success rates, response lengths and rewards; the same seed gives the same run."""
 
+    control: Literal["batched", "legacy"] = "batched"
+    """How workers reach the controller (`actors/worker_policy.py`): `batched` calls `sync` per batch of groups
+    and keeps a long poll for news; `legacy` is the old loop (a poll and an acquire per decode step, a `put` per
+    group), kept to measure what it cost."""
+
+    min_groups_per_request: int = Field(4, ge=1)
+    """rollout.min_groups_per_request: free slots or scored groups that make a worker call `sync`."""
+
+    poll_interval_s: float = Field(1.0, gt=0)
+    """rollout.poll_interval_s: longest a scored group waits at its worker for others to share a call."""
+
     @model_validator(mode="after")
     def _check(self) -> "SimulatorConfig":
         if self.warmup_steps >= self.steps:
@@ -112,8 +133,8 @@ class SimulatorConfig(BaseModel):
 
     def synchronous(self, even_split: bool = True) -> "SimulatorConfig":
         """The synchronous baseline with the same engines, lengths and learner. `even_split` sets
-        prompts_in_flight to the engine's share of a batch: otherwise the first workers to ask take
-        prompts_in_flight groups each and the rest stay idle for the whole batch."""
+        prompts_in_flight to the engine's share of a batch (the controller's fair share at max_staleness 0 caps
+        it there anyway; without it, workers ask for more than they can get)."""
         update = {"max_staleness": 0, "partial_rollouts": False}
         if even_split:
             update["prompts_in_flight"] = -(-self.prompts_per_step // self.num_engines)
@@ -191,6 +212,12 @@ class SimulationResult:
     waiting_group_ids: list[str]
     versions_seen: list[list[int]]
     sim_seconds: float
+    controller_calls: dict[str, int]
+    """Controller calls made by the rollout workers, by method."""
+    driver_calls: dict[str, int]
+    """Controller calls made by the learner loop (take_batch, publish), by method."""
+    finished_groups: int
+    """Groups the workers finished and handed over."""
 
     @property
     def fraction_of_ideal(self) -> float:
@@ -215,7 +242,7 @@ class _Group:
 @dataclass
 class _Engine:
     worker_id: int
-    version: int = 0
+    policy: WorkerPolicy
     steps: int = 0
     """Decode steps done; tokens of the step with index i (0-based) carry the version in force at i."""
     version_changes: list[tuple[int, int]] = field(default_factory=lambda: [(0, 0)])
@@ -223,14 +250,15 @@ class _Engine:
     """Heap of (finish step, order, sequence)."""
     waiting: deque = field(default_factory=deque)
     active: dict = field(default_factory=dict)
-    newer: tuple[int, list] | None = None
     segment: tuple[float, float, int, int] | None = None
     """(start time, seconds per step, steps at start, steps at end) of the decode run now going."""
-    syncing: bool = False
-    starved: bool = False
+    loading: tuple[int, list] | None = None
     exited: bool = False
     token: int = 0
-    versions_seen: list[int] = field(default_factory=lambda: [0])
+    timer_at: float = math.inf
+    legacy_step_calls: tuple[int, int] = (1, 0)
+    """legacy: (polls, acquires) the old loop made per decode step of the current segment."""
+    idle_since: float | None = None
 
 
 class Simulation:
@@ -241,9 +269,18 @@ class Simulation:
         prompts = [Prompt(prompt_id=f"sim/{i}", prompt_token_ids=[1], metadata={"success_rate": p})
                    for i, p in enumerate(success_rates(cfg))]
         self.controller = RolloutController(prompts, cfg.prompts_per_step, cfg.max_staleness,
-                                            cfg.drop_zero_variance, cfg.seed)
-        self.partial = cfg.partial_rollouts and cfg.max_staleness > 0  # the worker's own rule
-        self.engines = [_Engine(i) for i in range(cfg.num_engines)]
+                                            cfg.drop_zero_variance, cfg.seed, num_workers=cfg.num_engines,
+                                            clock=lambda: self.now)
+        self.legacy = cfg.control == "legacy"
+        settings = PolicySettings(prompts_in_flight=cfg.prompts_in_flight,
+                                  min_groups_per_request=cfg.min_groups_per_request,
+                                  poll_interval_s=cfg.poll_interval_s,
+                                  partial_rollouts=cfg.partial_rollouts and cfg.max_staleness > 0,
+                                  legacy=self.legacy)
+        self.engines = [_Engine(i, WorkerPolicy(settings, i)) for i in range(cfg.num_engines)]
+        self.calls: Counter[str] = Counter()
+        self.finished = 0
+        self.deciding: _Engine | None = None
         self.events: list = []
         self.order = 0
         self.tokens_of: dict[str, int] = {}
@@ -268,6 +305,8 @@ class Simulation:
 
     def run(self) -> SimulationResult:
         for engine in self.engines:
+            if not self.legacy:
+                self.calls["watch"] += 1  # each worker opens its long poll
             self._push(0.0, "decide", engine, engine.token, 0)
         self._try_learn(0.0)
         while self.events:
@@ -278,15 +317,24 @@ class Simulation:
                 if token == engine.token:
                     self._end_segment(engine, steps)
                     self._decide(engine, now)
+            elif kind == "timer":
+                engine = payload[0]
+                if engine.timer_at == now:
+                    engine.timer_at = math.inf
+                    self._poke(engine, now)
             elif kind == "synced":
                 self._synced(payload[0], now)
             else:
                 self._learner_done(now, *payload)
         return self._result()
 
-    # --- engines (mirrors RolloutWorker.run) -------------------------------------------------------------------
+    # --- engines (RolloutWorker.run's loop, its decisions taken by WorkerPolicy) --------------------------------
     def _end_segment(self, e: _Engine, steps: int) -> None:
         if e.segment is not None:
+            if self.legacy and steps - e.steps > 1:  # the old loop called the controller at every step between
+                polls, acquires = e.legacy_step_calls
+                self.calls["poll"] += polls * (steps - e.steps - 1)
+                self.calls["acquire"] += acquires * (steps - e.steps - 1)
             self.decoded += (steps - e.steps) * len(e.running)
             e.steps = steps
             e.segment = None
@@ -294,38 +342,60 @@ class Simulation:
             self._finish(e, heapq.heappop(e.running)[2])
 
     def _decide(self, e: _Engine, now: float) -> None:
-        """One pass of the worker loop at a safe point: poll weights, maybe load, acquire, then decode."""
+        """One pass of the worker loop at a safe point: sync with the controller when the policy says so, leave
+        on stop, load newer weights when allowed, then decode."""
         e.token += 1
-        latest = self.controller.latest_weights(e.version)
-        e.newer = e.newer or latest
-        if e.newer and (self.partial or not e.active):
-            e.syncing = True
+        p = e.policy
+        if e.idle_since is not None:  # legacy: it polled and asked every few milliseconds while idle
+            polls = int((now - e.idle_since) / LEGACY_IDLE_SLEEP_S)
+            self.calls["poll"] += polls
+            self.calls["acquire"] += polls * e.legacy_step_calls[1]
+            e.idle_since = None
+        self.deciding = e
+        if p.sync_due(now, len(e.active)):
+            self._sync(e, now)
+        self.deciding = None
+        if p.stopped:
+            self._exit(e, now)
+            return
+        newer = p.weights_to_load(len(e.active))
+        if newer:
+            e.loading = newer
             self._push(now + self.cfg.sync_seconds, "synced", e)
             return
-        free = self.cfg.prompts_in_flight - len(e.active)
-        e.starved = False
-        if free > 0 and e.newer is None:
-            stop, granted = self.controller.acquire(e.worker_id, e.version, free)
-            if stop:
-                self._exit(e)
-                return
-            for group_id, prompt in granted:
-                self._start_group(e, group_id, prompt)
-            e.starved = len(granted) < free
         while e.waiting and len(e.running) < self.cfg.max_num_seqs:
             seq = e.waiting.popleft()
             seq.start_step = e.steps
             self.order += 1
             heapq.heappush(e.running, (e.steps + seq.length, self.order, seq))
+        e.legacy_step_calls = (1, int(p.want(len(e.active)) > 0))
         if e.running:  # run until the first sequence ends or an event interrupts at a step boundary
             dt = self.cfg.decode_fixed_seconds + self.cfg.decode_seconds_per_seq * len(e.running)
             end = e.running[0][0]
             e.segment = (now, dt, e.steps, end)
             self._push(now + (end - e.steps) * dt, "decide", e, e.token, end)
+            deadline = p.deadline()
+            if deadline is not None and deadline < now + (end - e.steps) * dt and deadline != e.timer_at:
+                e.timer_at = deadline
+                self._push(deadline, "timer", e)
+        elif self.legacy:
+            e.idle_since = now
+
+    def _sync(self, e: _Engine, now: float) -> None:
+        request = e.policy.request(now, len(e.active))
+        reply = self.controller.sync(request)
+        if self.legacy:
+            self.calls.update(legacy_calls(request))
+        else:
+            self.calls["sync"] += 1
+        self._received(request.scored, now)
+        for group_id, prompt in e.policy.on_reply(reply):
+            self._start_group(e, group_id, prompt)
+        self._deliver_news(now)
 
     def _poke(self, e: _Engine, now: float) -> None:
-        """Something the worker polls for changed (weights, budget, stop): it notices after its current step."""
-        if e.exited or e.syncing:
+        """Something the worker waits for happened: it acts on it after its current decode step."""
+        if e.exited or e.loading is not None or e is self.deciding:
             return
         if e.segment is None:
             self._push(now, "decide", e, e.token + 1, e.steps)
@@ -337,12 +407,29 @@ class Simulation:
             e.token += 1
             self._push(start + done * dt, "decide", e, e.token, start_steps + done)
 
+    def _deliver_news(self, now: float, engines=None) -> None:
+        """Return the long polls that have news (the legacy loop has none: it polls every step instead)."""
+        if self.legacy:
+            return
+        if engines is None:
+            engines = [self.engines[w] for w in self.controller.take_woken()]
+        for e in engines:
+            if e.exited:
+                continue
+            news = self.controller.watch_news(e.worker_id, e.policy.version)
+            if news is None:
+                continue
+            e.policy.on_watch(news)
+            if not e.policy.stopped:
+                self.calls["watch"] += 1  # it opens the next long poll
+            self._poke(e, now)
+
     def _synced(self, e: _Engine, now: float) -> None:
-        version, _refs = e.newer
-        if version <= e.version:
-            raise RuntimeError(f"engine {e.worker_id} would load version {version} over {e.version}")
-        e.version, e.newer, e.syncing = version, None, False
-        e.versions_seen.append(version)
+        version = e.loading[0]
+        if version <= e.policy.version:
+            raise RuntimeError(f"engine {e.worker_id} would load version {version} over {e.policy.version}")
+        e.policy.loaded(version)
+        e.loading = None
         e.version_changes.append((e.steps, version))
         self._decide(e, now)
 
@@ -372,32 +459,48 @@ class Simulation:
         self.tokens_of[group.group_id] = sum(s.length for s in group.sequences)
         group.sequences = []  # break the group <-> sequence cycle so refcounting frees it
         scored = TrajectoryGroup(group_id=group.group_id, trajectories=group.trajectories)
-        self._put(scored, self.now)
+        e.policy.on_scored(group.group_id, scored, self.now)  # reward workers are instant stand-ins
 
-    def _exit(self, e: _Engine) -> None:
+    def _exit(self, e: _Engine, now: float) -> None:
         e.exited = True
-        if e.active:
-            self.controller.report_dropped("aborted_at_stop", len(e.active))
-            self.dropped_ids["aborted_at_stop"].extend(e.active)
-            e.active.clear()
-            e.running.clear()
-            e.waiting.clear()
+        request = e.policy.final_request(list(e.active))
+        self.controller.sync(request)
+        if self.legacy:  # the old loop: report_dropped for the aborted, a put per scored, a last stats report
+            self.calls.update({k: v for k, v in legacy_calls(request).items() if k != "poll"})
+            self.calls["report_worker_stats"] += 1 + int(now / LEGACY_STATS_INTERVAL_S)
+        else:
+            self.calls["sync"] += 1
+        self._received(request.scored, now)
+        self.dropped_ids["aborted_at_stop"].extend(e.active)
+        e.active.clear()
+        e.running.clear()
+        e.waiting.clear()
 
     # --- queue and learner (mirrors Trainer.run) ----------------------------------------------------------------
-    def _put(self, group: TrajectoryGroup, now: float) -> None:
-        if self.controller.put(group):
-            self.queued_ids.add(group.group_id)
-            arrived_stale = group.min_version < self.learner_version - self.cfg.max_staleness
-            if arrived_stale or len(self.controller.queue) >= self.cfg.prompts_per_step:
-                self._try_learn(now)
-        else:
-            self.dropped_ids["zero_variance"].append(group.group_id)
+    def _received(self, scored: list, now: float) -> None:
+        """Bookkeeping of the groups a `sync` handed over (the controller already queued or dropped them)."""
+        freed = False
+        learn = False
+        for group_id, group in scored:
+            self.finished += 1
+            if self.cfg.drop_zero_variance and not group_has_signal(group.rewards):
+                self.dropped_ids["zero_variance"].append(group_id)
+                freed = True
+                continue
+            self.queued_ids.add(group_id)
+            learn = learn or group.min_version < self.learner_version - self.cfg.max_staleness
+        if learn or len(self.controller.queue) >= self.cfg.prompts_per_step:
+            self._try_learn(now)
+        if freed:
             self._budget_freed(now)
 
     def _budget_freed(self, now: float) -> None:
-        for e in self.engines:
-            if e.starved:
-                self._poke(e, now)
+        if self.legacy:  # starved legacy workers asked at every step, so they notice at once
+            for e in self.engines:
+                if e.policy.starved:
+                    self._poke(e, now)
+        else:
+            self._deliver_news(now)
 
     def _try_learn(self, now: float) -> None:
         if self.learner_busy or self.stopped:
@@ -432,8 +535,11 @@ class Simulation:
         if self.learner_version == self.cfg.steps:
             self.controller.stop()
             self.stopped = True
-        for e in self.engines:
-            self._poke(e, now)
+        if self.legacy:  # polled at every step: it notices after its current one
+            for e in self.engines:
+                self._poke(e, now)
+        else:
+            self._deliver_news(now, self.engines)
         self._try_learn(now)
 
     def _result(self) -> SimulationResult:
@@ -453,7 +559,9 @@ class Simulation:
             max_staleness_observed=self.max_lag, min_lag_observed=int(self.min_lag),
             drops=dict(self.controller.queue.dropped), admitted=self.controller.admitted,
             trained_group_ids=list(self.trained_ids), dropped_group_ids=dropped_ids, waiting_group_ids=waiting,
-            versions_seen=[e.versions_seen for e in self.engines], sim_seconds=self.step_ends[-1])
+            versions_seen=[e.policy.versions_seen for e in self.engines], sim_seconds=self.step_ends[-1],
+            controller_calls=dict(self.calls), finished_groups=self.finished,
+            driver_calls={k: self.controller.calls[k] for k in ("take_batch", "publish")})
 
 
 def _stamp(start: int, length: int, changes: list[tuple[int, int]], chunk: int) -> list[int]:

@@ -14,7 +14,7 @@ import ray
 import torch
 from tqdm import tqdm
 
-from actors.controller import RolloutController
+from actors.controller import ControllerActor
 from actors.reward_worker import RewardWorker, score_on_workers
 from actors.rollout_worker import RolloutWorker
 from cluster.learner_group import LearnerGroup
@@ -134,7 +134,9 @@ class Trainer:
         self.eval_prompts = self.eval_prompts[: cfg.data.num_eval_prompts]
         self.data_counts = {k: self.data_counts.get(k, 0) + eval_counts.get(k, 0) for k in {**self.data_counts, **eval_counts}}
         start_ray(cfg)
-        self.controller = ray.remote(RolloutController).options(num_cpus=0).remote(
+        # every rollout worker keeps one long poll (`watch`) open, so the actor serves more calls than workers
+        self.controller = ray.remote(ControllerActor).options(
+            num_cpus=0, max_concurrency=max(1000, 2 * cfg.rollout.num_workers + 64)).remote(
             self.train_prompts, cfg.learner.prompts_per_step, cfg.train.max_staleness,
             cfg.algorithm.dynamic_sampling, cfg.train.seed, cfg.rollout.num_workers)
         self.reward_workers = [ray.remote(RewardWorker).options(**reward_options(cfg)).remote(cfg.reward, i)
@@ -151,11 +153,10 @@ class Trainer:
 
     def _wait_for_batch(self) -> tuple[list[TrajectoryGroup], float]:
         start = time.perf_counter()
-        while True:
-            groups = ray.get(self.controller.take_batch.remote(self.version))
+        while True:  # a long poll: the controller answers once the batch is complete (or after 1 s)
+            groups = ray.get(self.controller.wait_batch.remote(self.version, 1.0))
             if groups is not None:
                 return groups, time.perf_counter() - start
-            time.sleep(0.005)
 
     def step(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
         """One learner update on a batch of groups, then publish the new weights."""

@@ -76,6 +76,15 @@ class RolloutConfig(BaseModel):
     weight_sync_interval_steps: int = Field(1, ge=1)
     """Engine decode steps between checks for new weights. 1 loads a new version at the next safe point."""
 
+    min_groups_per_request: int = Field(4, ge=1)
+    """A worker calls the controller once this many group slots are free or scored groups are ready (or its
+    engine is idle), asking for a batch of groups at once; the controller's load then grows with groups, not
+    decode steps. Capped at prompts_in_flight. 1 hands over each group at once (lowest latency)."""
+
+    poll_interval_s: float = Field(0.2, gt=0, le=60)
+    """Longest a scored group waits at the worker for others to share its controller call, in seconds. New
+    weights and the stop flag arrive through a long poll, independent of this."""
+
     enforce_eager: bool = True
     """Skip CUDA graph capture / compilation (faster start; slower decode on GPUs)."""
 
