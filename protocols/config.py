@@ -202,6 +202,9 @@ class RunConfig(BaseModel):
         # `algorithm.kl.beta=0` alone must not switch the run to another preset's defaults.
         if isinstance(data, dict) and isinstance(data.get("algorithm"), dict):
             data = {**data, "algorithm": {"preset": DEFAULT_PRESET, **data["algorithm"]}}
+        if isinstance(data, dict) and isinstance(data.get("weight_sync"), dict):
+            # `weight_sync.bucket_mb=64` alone tunes the default backend.
+            data = {**data, "weight_sync": {"type": "object_store", **data["weight_sync"]}}
         return data
 
     @model_validator(mode="after")
@@ -264,12 +267,19 @@ def _format_error(err: ValidationError) -> str:
 
 
 def _model_at(model: type[BaseModel], path: list[str]) -> type[BaseModel] | None:
-    for part in path:
-        field = model.model_fields.get(part)
+    parts = list(path)
+    while parts:
+        field = model.model_fields.get(parts.pop(0))
         ann = getattr(field, "annotation", None)
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            model = ann
+            continue
+        # A `type`-keyed union (weight_sync): pydantic's error path names the chosen member by its tag next.
+        members = {getattr(m.model_fields.get("type"), "default", None): m for m in getattr(ann, "__args__", ())
+                   if isinstance(m, type) and issubclass(m, BaseModel)}
+        if not parts or parts[0] not in members:
             return None
-        model = ann
+        model = members[parts.pop(0)]
     return model
 
 
