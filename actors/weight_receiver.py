@@ -2,8 +2,9 @@
 checkpoint-format (name, tensor) pairs that the worker loads into its engine at a safe point.
 
 `object_store`: the announcement carries an object ref; `fetch` maps it (zero-copy on the node).
-`collective`: a receiver thread sits in the group's broadcast at all times and receives each version into
-staging buffers as soon as the learner sends it, whatever the worker's loop is doing; `fetch` hands out the
+`collective`: a receiver thread is always ready for the next broadcast and receives each version into
+staging buffers as soon as the learner sends it, whatever the worker's loop is doing (it waits for the
+learner's announcement on the group's store, then joins the broadcast of the buckets); `fetch` hands out the
 staged tensors once the announced version has arrived. So the learner broadcasts whenever it likes (every
 receiver is always waiting), and the engine still changes weights only between decode steps. The staging
 buffers cost one model copy per engine; a newer version that arrives before the loop loads the previous one
@@ -13,10 +14,12 @@ replaces it (the worker wants the newest anyway). The loop and the thread share 
 import logging
 import threading
 import time
+from datetime import timedelta
 
 import torch
 
-from learner.weight_wire import ALTERNATIVE, HEADER_LEN, BucketLayout, WeightMeta, check_header, open_weight_group
+from learner.weight_wire import ALTERNATIVE, BucketLayout, WeightMeta, check_header, header_from_bytes, header_key
+from learner.weight_wire import open_weight_group
 from learner.weight_wire import unpack_state_dict
 
 log = logging.getLogger(__name__)
@@ -49,9 +52,9 @@ class CollectiveReceiver:
         self.layout = BucketLayout(metas, bucket_bytes)
         self.timeout_s = timeout_s
         self.device = device
-        self.group = open_weight_group(host, port, rank, world_size, backend, timeout_s, device)
+        self.group, self.store = open_weight_group(host, port, rank, world_size, backend, timeout_s, device)
         self._flats = [torch.empty(size, dtype=torch.uint8, device=device) for size in self.layout.bucket_sizes]
-        self._header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
+        self._seq = 0
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
         self.staged_version = 0
@@ -64,15 +67,15 @@ class CollectiveReceiver:
     def _receive_loop(self) -> None:
         try:
             while not self._closed:
-                # Waiting for the next version can take any time (the learner trains meanwhile), so this wait
-                # has no deadline of its own; a broken group still ends it with an error.
-                work = self.group.broadcast(self._header, 0)
-                while not work.is_completed():
-                    if self._closed:
-                        return
-                    time.sleep(0.001)
-                work.wait()
-                version = check_header(self._header.cpu(), self.layout)
+                # The wait for the next version may last as long as the learner trains: it is a store wait,
+                # woken by the learner's announcement, retried each second so `close` can end the thread.
+                key = header_key(self._seq + 1)
+                try:
+                    self.store.wait([key], timedelta(seconds=1))
+                except RuntimeError:  # DistStoreError: not announced yet
+                    continue
+                self._seq += 1
+                version = check_header(header_from_bytes(self.store.get(key)), self.layout)
                 start = time.perf_counter()
                 with self._lock:
                     # The learner sends the buckets right after the header; the loop waits at most one receive.

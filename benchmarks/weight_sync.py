@@ -80,8 +80,8 @@ class Sender:
         from learner.weight_transport import CollectiveSender
         from learner.weight_wire import BucketLayout, metas_of, open_weight_group
 
-        group = open_weight_group(host, port, 0, world, "gloo", 300.0)
-        self.collective = CollectiveSender(group, BucketLayout(metas_of(self.weights), bucket_bytes),
+        group, store = open_weight_group(host, port, 0, world, "gloo", 300.0)
+        self.collective = CollectiveSender(group, store, BucketLayout(metas_of(self.weights), bucket_bytes),
                                            torch.device("cpu"), 300.0)
 
     def publish_object_store(self) -> list:

@@ -258,9 +258,9 @@ class LearnerRank:
             return "not a member"
         device = self._device() if info["backend"] == "nccl" else torch.device("cpu")
         metas = [WeightMeta(n, d, tuple(s)) for n, d, s in info["metas"]]
-        group = open_weight_group(info["host"], info["port"], 0, info["world_size"], info["backend"],
+        group, store = open_weight_group(info["host"], info["port"], 0, info["world_size"], info["backend"],
                                   info["timeout_s"], device)
-        self.weight_sender = CollectiveSender(group, BucketLayout(metas, info["bucket_bytes"]), device,
+        self.weight_sender = CollectiveSender(group, store, BucketLayout(metas, info["bucket_bytes"]), device,
                                               info["timeout_s"])
         return "joined"
 

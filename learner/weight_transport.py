@@ -14,7 +14,7 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-from learner.weight_wire import BITCAST, BucketLayout, unpack_state_dict  # noqa: F401  (unpack re-exported)
+from learner.weight_wire import BITCAST, BucketLayout, header_bytes, header_key, unpack_state_dict  # noqa: F401
 
 
 # --- object store: packing into reusable host buffers --------------------------------------------------------
@@ -90,14 +90,17 @@ def packed_num_bytes(packed: dict[str, tuple[str, np.ndarray]]) -> int:
 
 class CollectiveSender:
     """Broadcasts weights from group rank 0 in byte buckets. `group` is a torch.distributed ProcessGroup that
-    holds only the learner's rank 0 and the engines (never DeepSpeed's default group).
+    holds only the learner's rank 0 and the engines (never DeepSpeed's default group); `store` is its TCPStore,
+    through which each broadcast is announced (a header: protocol, version, tensor count, layout checksum).
 
     Buckets live on the parameters' device, so on GPUs a parameter is copied device-to-device into a bucket and
     NCCL sends it: no host copy. Two buckets alternate so filling one overlaps the broadcast of the other.
     """
 
-    def __init__(self, group, layout: BucketLayout, device: torch.device, timeout_s: float) -> None:
+    def __init__(self, group, store, layout: BucketLayout, device: torch.device, timeout_s: float) -> None:
         self.group = group
+        self.store = store
+        self.seq = 0
         self.layout = layout
         self.device = device
         self.timeout_s = timeout_s
@@ -110,8 +113,8 @@ class CollectiveSender:
     def send(self, named_tensors: Iterator[tuple[str, torch.Tensor]], version: int) -> dict:
         """Broadcast one version. `named_tensors` yields tensors in the layout's order (checked)."""
         start = time.perf_counter()
-        header = self.layout.header(version).to(self.device)
-        self._wait(self._broadcast(header), "header")
+        self.seq += 1
+        self.store.set(header_key(self.seq), header_bytes(self.layout.header(version)))
         pending = [None] * len(self._flats)
         it = iter(named_tensors)
         for b, entries in enumerate(self.layout.buckets):

@@ -94,10 +94,25 @@ class BucketLayout:
 
 
 
+def header_key(seq: int) -> str:
+    """The store key announcing the `seq`-th broadcast (1, 2, ...). The announcement travels through the store,
+    not the group: a receiver may wait for the next version for as long as the learner trains, and a collective
+    left pending that long would hit the group's timeout (and on NCCL hold a kernel on the GPU)."""
+    return f"header/{seq}"
+
+
+def header_bytes(header: torch.Tensor) -> bytes:
+    return header.cpu().numpy().tobytes()
+
+
+def header_from_bytes(raw: bytes) -> torch.Tensor:
+    return torch.from_numpy(np.frombuffer(raw, dtype=np.int64).copy())
+
+
 def open_weight_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float,
                       device: torch.device | None = None):
-    """A standalone ProcessGroup on a TCPStore at host:port (rank 0 serves the store). It is not registered as
-    torch.distributed's default group, so it never mixes with DeepSpeed's collectives.
+    """(group, store): a standalone ProcessGroup on a TCPStore at host:port (rank 0 serves the store). It is not
+    registered as torch.distributed's default group, so it never mixes with DeepSpeed's collectives.
 
     Raises RuntimeError naming `weight_sync` settings when the store cannot be reached or bound (port in use)
     or the peers do not all arrive within `timeout_s`.
@@ -126,7 +141,7 @@ def open_weight_group(host: str, port: int, rank: int, world_size: int, backend:
             f"{host}:{port} (backend {backend}) within weight_sync.timeout_s={timeout_s}: {err}. Check that "
             f"every rollout engine started and the port is free and reachable, raise weight_sync.timeout_s, "
             f"or use {ALTERNATIVE}") from err
-    return group
+    return group, store
 
 
 def check_header(header: torch.Tensor, layout: BucketLayout) -> int:
