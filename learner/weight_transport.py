@@ -55,10 +55,9 @@ class HostBuffers:
     def pack(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[str, np.ndarray]]:
         """Copy each (name, tensor) into its buffer; returns name -> (dtype name, numpy view of the buffer).
 
-        The iterator may free a tensor once the next one is requested (ZeRO-3 gathers layer by layer): each
-        copy is issued before advancing. With non-blocking GPU copies the gathered storage must outlive the
-        copy, so a GPU copy is synchronized before the iterator moves on only when `sync_each` is needed;
-        here every copy is enqueued on the current stream, which orders it before any later free.
+        The iterator may free a tensor once it advances (ZeRO-3 gathers a bucket at a time): GPU copies are
+        enqueued on the current stream, so they run before any later reuse of that memory on the stream, and
+        the iterator synchronizes before it releases a gather. One synchronize at the end waits for the rest.
         """
         packed = {}
         any_cuda = False
