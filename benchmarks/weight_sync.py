@@ -57,11 +57,8 @@ class Sender:
     """Learner rank 0's side: the parameters and one sender per backend."""
 
     def __init__(self, shape: str, layers: int | None) -> None:
-        from learner.weight_transport import HostBuffers
-
         torch.set_num_threads(1)
         self.weights = qwen2_tensors(shape, torch.bfloat16, layers=layers)
-        self.buffers = HostBuffers(pin_memory=False)
         self.collective = None
 
     def metas(self) -> list:
@@ -87,7 +84,10 @@ class Sender:
     def publish_object_store(self) -> list:
         import ray
 
-        return [ray.put(self.buffers.pack(iter(self.weights)))]
+        from learner.weight_transport import host_arrays
+
+        # As LearnerRank.publish_weights on CPU under ZeRO-2: the parameters are put as they are.
+        return [ray.put(host_arrays(iter(self.weights), None))]
 
     def publish_collective(self, version: int) -> list:
         self.collective.send(iter(self.weights), version)
@@ -140,36 +140,38 @@ def run_ray(args) -> None:
         metas = ray.get(sender.metas.remote())
         bucket_bytes = args.bucket_mb * 2**20
         rows = []
-        for workers in (1, 3):
-            receivers = [ray.remote(Receiver).options(num_cpus=0).remote() for _ in range(workers)]
-            ray.get([r.leave.remote() for r in receivers])
-            for transport in ("object_store", "collective"):
-                if transport == "collective":
-                    host, port = ray.get(sender.address.remote())
-                    refs = [sender.join.remote(host, port, workers + 1, bucket_bytes)]
-                    refs += [r.join.remote(host, port, i + 1, workers + 1, metas, bucket_bytes)
-                             for i, r in enumerate(receivers)]
-                    ray.get(refs)
-                times = []
-                for version in range(1, args.versions + 1):
-                    start = time.perf_counter()
-                    if transport == "object_store":
-                        refs = ray.get(sender.publish_object_store.remote())
-                    else:
-                        refs = ray.get(sender.publish_collective.remote(version))
-                    got = ray.get([r.take.remote(version, refs) for r in receivers])
-                    times.append(time.perf_counter() - start)
-                    assert got == [version] * workers
-                    del refs
-                first, median = times[0], statistics.median(times[1:] or times)
-                rows.append((transport, workers, first, median, gb / median))
-                print(f"{transport:13s} workers={workers} first={first:6.2f}s median={median:6.2f}s "
-                      f"{gb / median:5.2f} GB/s", flush=True)
-            for r in receivers:
-                ray.kill(r)
+        for round_ in range(args.rounds):  # the first rounds warm up the object store and page in memory
+            rows = []
+            for workers in (1, 3):
+                receivers = [ray.remote(Receiver).options(num_cpus=0).remote() for _ in range(workers)]
+                ray.get([r.leave.remote() for r in receivers])
+                for transport in ("object_store", "collective"):
+                    if transport == "collective":
+                        host, port = ray.get(sender.address.remote())
+                        refs = [sender.join.remote(host, port, workers + 1, bucket_bytes)]
+                        refs += [r.join.remote(host, port, i + 1, workers + 1, metas, bucket_bytes)
+                                 for i, r in enumerate(receivers)]
+                        ray.get(refs)
+                    times = []
+                    for version in range(1, args.versions + 1):
+                        start = time.perf_counter()
+                        if transport == "object_store":
+                            refs = ray.get(sender.publish_object_store.remote())
+                        else:
+                            refs = ray.get(sender.publish_collective.remote(version))
+                        got = ray.get([r.take.remote(version, refs) for r in receivers])
+                        times.append(time.perf_counter() - start)
+                        assert got == [version] * workers
+                        del refs
+                    first, median = times[0], statistics.median(times[1:] or times)
+                    rows.append((transport, workers, first, median, gb / median))
+                    print(f"round {round_ + 1}: {transport:13s} workers={workers} first={first:6.2f}s "
+                          f"median={median:6.2f}s {gb / median:5.2f} GB/s", flush=True)
+                for r in receivers:
+                    ray.kill(r)
         print(f"\nweights: Qwen2.5-{args.shape} shape{f' ({args.layers} layers)' if args.layers else ''}, bf16, "
               f"{gb:.2f} GB a version (tied lm_head sent too); bucket {args.bucket_mb} MiB; "
-              f"median of versions 2..{args.versions}\n")
+              f"median of versions 2..{args.versions} of round {args.rounds}\n")
         print("| transport | workers | s / version (median) | GB/s | first version s |")
         print("| --- | --- | --- | --- | --- |")
         for transport, workers, first, median, rate in rows:
@@ -207,7 +209,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="0.5b", choices=sorted(SHAPES))
     parser.add_argument("--layers", type=int, default=None, help="fewer decoder layers than the shape has")
-    parser.add_argument("--versions", type=int, default=4)
+    parser.add_argument("--versions", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=2, help="the table shows the last round")
     parser.add_argument("--bucket-mb", type=int, default=256)
     parser.add_argument("--host-copy", default=None, choices=sorted(SHAPES),
                         help="only time the learner's host copy of this shape (GPU), no Ray")

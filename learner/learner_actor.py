@@ -20,7 +20,7 @@ from learner.objective import (
     entropy_from_logits,
     needs_ref_logprobs,
 )
-from learner.weight_transport import CollectiveSender, HostBuffers, packed_num_bytes
+from learner.weight_transport import CollectiveSender, HostBuffers, host_arrays, packed_num_bytes
 from learner.weight_wire import BucketLayout, WeightMeta, open_weight_group
 from protocols.config import RunConfig
 
@@ -282,7 +282,9 @@ class LearnerRank:
                                    "the trainer calls LearnerGroup.join_weight_group after starting the workers")
             sent = self.weight_sender.send(weights, version)
             return {"refs": [], **sent, "seconds": time.perf_counter() - start}
-        packed = self.host_buffers.pack(weights)
+        # CPU parameters under ZeRO-2 are host memory already and stay put until the put returns: no extra copy.
+        reuse = self.use_cuda or self.cfg.learner.zero_stage == 3
+        packed = host_arrays(weights, self.host_buffers if reuse else None)
         ref = ray.put(packed)
         return {"refs": [ref], "num_tensors": len(packed), "num_bytes": packed_num_bytes(packed),
                 "seconds": time.perf_counter() - start}

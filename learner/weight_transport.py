@@ -76,6 +76,16 @@ class HostBuffers:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
 
+def host_arrays(named_tensors: Iterable[tuple[str, torch.Tensor]],
+                buffers: HostBuffers | None) -> dict[str, tuple[str, np.ndarray]]:
+    """What the object-store sender puts: name -> (dtype name, array). With `buffers`, copies into them (GPU
+    weights, or ZeRO-3 gathers that are freed as the iterator moves on); without, numpy views of the tensors
+    themselves, for weights already in host memory that stay alive until the `ray.put`, which copies once."""
+    if buffers is not None:
+        return buffers.pack(named_tensors)
+    return {name: _to_numpy(tensor.detach()) for name, tensor in named_tensors}
+
+
 def host_copy_seconds(named_tensors: Iterable[tuple[str, torch.Tensor]], buffers: HostBuffers) -> float:
     """Time one `HostBuffers.pack` (the object-store sender's host copy); for timing on a GPU without Ray/vLLM."""
     start = time.perf_counter()

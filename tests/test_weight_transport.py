@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from actors.weight_receiver import CollectiveReceiver
-from learner.weight_transport import CollectiveSender, HostBuffers, host_copy_seconds
+from learner.weight_transport import CollectiveSender, HostBuffers, host_arrays, host_copy_seconds
 from learner.weight_wire import BucketLayout, WeightMeta, metas_of, open_weight_group, unpack_state_dict
 
 
@@ -56,6 +56,15 @@ def test_host_buffers_are_reused_and_exact():
     for (name, expected), (got_name, got) in zip(second, unpack_state_dict(packed)):
         assert name == got_name and got.dtype == expected.dtype and torch.equal(got, expected)
     assert host_copy_seconds(iter(second), buffers) >= 0 and buffers.allocations == 4
+
+
+def test_host_arrays_without_buffers_are_views_of_the_weights():
+    weights = _weights(0)
+    packed = host_arrays(iter(weights), None)
+    # no copy: ray.put is the one copy on a CPU learner
+    assert packed["model.norm.weight"][1].ctypes.data == weights[2][1].data_ptr()
+    assert packed["model.layers.0.mlp.weight"][0] == "bfloat16"  # travels as int16 bits, restored on unpack
+    assert torch.equal(dict(unpack_state_dict(packed))["model.layers.0.mlp.weight"], weights[1][1])
 
 
 def _connect(port: int, world: int, layout_bytes: int, metas, timeout_s: float = 30.0):
