@@ -92,8 +92,8 @@ class CollectiveReceiver:
                     self._arrived.notify_all()
 
     def fetch(self, version: int, refs: list) -> tuple[int, list[tuple[str, torch.Tensor]]]:
-        """(staged version, views of the staged weights) once `version` or a newer one has arrived. Holds the staging lock until
-        `release()`, so the receiver thread cannot overwrite the tensors while the engine loads them."""
+        """(staged version, views of the staged weights) once `version` or a newer one has arrived. Holds the
+        staging lock until `release()`, so the receiver thread cannot overwrite them while the engine loads."""
         deadline = time.monotonic() + self.timeout_s
         self._lock.acquire()
         while self.staged_version < version and self.error is None:

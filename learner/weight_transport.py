@@ -135,8 +135,9 @@ class CollectiveSender:
                 meta = self.layout.metas[i]
                 name, tensor = next(it)
                 if name != meta.name or tuple(tensor.shape) != meta.shape:
-                    raise ValueError(f"weight {i} is {name} {tuple(tensor.shape)} but the layout the engines joined "
-                                     f"with says {meta.name} {meta.shape}; rejoin the weight group after a model change")
+                    raise ValueError(f"weight {i} is {name} {tuple(tensor.shape)} but the layout the engines "
+                                     f"joined with says {meta.name} {meta.shape}; rejoin the weight group after a "
+                                     "model change")
                 flat[offset: offset + meta.num_bytes].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
             size = self.layout.bucket_sizes[b]
             pending[slot] = self._broadcast(flat[:size])

@@ -45,7 +45,8 @@ class WeightMeta:
 
     @property
     def num_bytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return int(np.prod(self.shape, dtype=np.int64)) * itemsize
 
 
 def metas_of(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[WeightMeta]:
