@@ -14,7 +14,6 @@ replaces it (the worker wants the newest anyway). The loop and the thread share 
 import logging
 import threading
 import time
-from datetime import timedelta
 
 import torch
 
@@ -23,6 +22,7 @@ from learner.weight_wire import open_weight_group
 from learner.weight_wire import unpack_state_dict
 
 log = logging.getLogger(__name__)
+POLL_S = 0.01  # latency added to a version's arrival, at most
 
 
 class ObjectStoreReceiver:
@@ -67,12 +67,12 @@ class CollectiveReceiver:
     def _receive_loop(self) -> None:
         try:
             while not self._closed:
-                # The wait for the next version may last as long as the learner trains: it is a store wait,
-                # woken by the learner's announcement, retried each second so `close` can end the thread.
+                # The wait for the next version may last as long as the learner trains, so it polls the store
+                # (one small request per interval) rather than sitting in a collective or a store wait, whose
+                # timeouts would fire (and log a warning each time) during a long step.
                 key = header_key(self._seq + 1)
-                try:
-                    self.store.wait([key], timedelta(seconds=1))
-                except RuntimeError:  # DistStoreError: not announced yet
+                if not self.store.check([key]):
+                    time.sleep(POLL_S)
                     continue
                 self._seq += 1
                 version = check_header(header_from_bytes(self.store.get(key)), self.layout)
