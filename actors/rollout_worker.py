@@ -12,9 +12,12 @@ import time
 import zlib
 
 import ray
+import torch
 
+from actors.vllm_weights import load_checkpoint_weights, tensor_parallel_engine_args
+from actors.weight_receiver import CollectiveReceiver, ObjectStoreReceiver
 from actors.worker_policy import PolicySettings, WorkerPolicy
-from learner.weight_transport import unpack_state_dict
+from learner.weight_wire import WeightMeta
 from protocols.config import RunConfig
 from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup
 
@@ -53,6 +56,8 @@ class RolloutWorker:
         self.reward_workers = reward_workers or []
         self.version = 0
         max_len = cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens
+        self.on_gpu = cfg.cluster.use_gpus
+        extra = tensor_parallel_engine_args(cfg.rollout.tensor_parallel_size, self.on_gpu)
         try:
             self.llm = LLM(
                 model=model_path,
@@ -68,6 +73,7 @@ class RolloutWorker:
                 # Behavior log-probs of the distribution actually sampled (after temperature), as the ratio needs.
                 logprobs_mode="processed_logprobs",
                 trust_remote_code=cfg.model.trust_remote_code,
+                **extra,
             )
         except (OSError, ValueError, RuntimeError) as err:
             raise RuntimeError(
@@ -82,23 +88,32 @@ class RolloutWorker:
         self._reward_rr = 0
         self.versions_seen: list[int] = [0]
         self.sync_seconds = 0.0
+        # weight_sync.type=collective swaps in a CollectiveReceiver at join_weight_group.
+        self.receiver = ObjectStoreReceiver()
 
     # --- weights -----------------------------------------------------------------------------------------------
+    def join_weight_group(self, info: dict) -> int:
+        """Join the collective weight group as rank `info["rank"]`; every member calls this at the same time.
+        Starts the receiver thread. Returns the rank."""
+        metas = [WeightMeta(name, dtype, tuple(shape)) for name, dtype, shape in info["metas"]]
+        device = torch.device("cuda") if info["backend"] == "nccl" else torch.device("cpu")
+        self.receiver = CollectiveReceiver(info["host"], info["port"], info["rank"], info["world_size"],
+                                           info["backend"], info["timeout_s"], metas, info["bucket_bytes"], device)
+        return info["rank"]
+
     def load_weights(self, version: int, refs: list) -> float:
-        """Load published weights in place (no engine restart). Returns seconds spent."""
+        """Load announced weights in place (no engine restart), at a safe point of the caller's choosing: the
+        run loop calls it between decode steps. The collective backend may hand over a newer version than the
+        one announced (it already arrived); the worker then stamps tokens with that one. Returns seconds spent."""
         if version <= self.version:
             raise ValueError(f"worker {self.worker_id}: weight version {version} is not newer than {self.version}")
         start = time.perf_counter()
-        packed = ray.get(refs[0])
-        weights = unpack_state_dict(packed)
-
-        def _reload(worker, items):
-            from vllm.model_executor.model_loader.reload.inplace import reload_weights
-
-            runner = worker.model_runner
-            reload_weights(runner.vllm_config, runner.model, iter(items), None, True)
-
-        self.llm.collective_rpc(_reload, args=(weights,))
+        loaded, weights = self.receiver.fetch(version, refs)
+        try:
+            load_checkpoint_weights(self.llm, weights)
+        finally:
+            self.receiver.release()
+        version = loaded
         self.version = version
         self.versions_seen.append(version)
         seconds = time.perf_counter() - start

@@ -72,8 +72,25 @@ class LearnerGroup:
         return merge_rows(parts, ray.get([rank.policy_logprobs.remote(s, count)
                                           for rank, s in zip(self.ranks, shards)]))
 
-    def publish_weights(self) -> dict:
-        return ray.get([rank.publish_weights.remote() for rank in self.ranks])[0]
+    def publish_weights(self, version: int = 0) -> dict:
+        return ray.get([rank.publish_weights.remote(version) for rank in self.ranks])[0]
+
+    def join_weight_group(self, engines: list) -> dict:
+        """weight_sync.type=collective: learner rank 0 (group rank 0) and one receiver per rollout engine (ranks
+        1..N) open the weight group together. An engine with tensor parallelism joins once: its receiver loads
+        the full checkpoint-format tensors into every engine rank, and vLLM's weight loaders shard them.
+        Returns the join info. Raises with the settings to change if a member cannot join in time."""
+        ws = self.cfg.weight_sync
+        backend = ws.backend if ws.backend != "auto" else ("nccl" if self.cfg.cluster.use_gpus else "gloo")
+        host, port = ray.get(self.ranks[0].weight_group_address.remote())
+        info = {"host": host, "port": port, "world_size": 1 + len(engines), "backend": backend,
+                "timeout_s": ws.timeout_s, "bucket_bytes": ws.bucket_mb * 2**20,
+                "metas": ray.get(self.ranks[0].weight_metas.remote())}
+        refs = [self.ranks[0].join_weight_group.remote(info)]
+        refs += [engine.join_weight_group.remote({**info, "rank": 1 + i}) for i, engine in enumerate(engines)]
+        # Each member times out on its own after timeout_s; the margin covers actor start and the store.
+        ray.get(refs, timeout=ws.timeout_s + 60)
+        return info
 
     def save_hf(self, folder: str) -> str:
         return ray.get([rank.save_hf.remote(folder) for rank in self.ranks])[0]

@@ -148,6 +148,8 @@ class Trainer:
             for i in range(cfg.rollout.num_workers)
         ]
         ray.get([w.get_version.remote() for w in self.rollout_workers])
+        if cfg.weight_sync.type == "collective":
+            self.learner.join_weight_group(self.rollout_workers)
         self.version = 0
         self.trained_group_ids: list[str] = []
 
@@ -187,7 +189,7 @@ class Trainer:
         summed = self.learner.train_step(samples, normalizer)
         learner_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        published = self.learner.publish_weights()
+        published = self.learner.publish_weights(self.version + 1)
         self.version += 1
         weights = WeightVersion(version=self.version, num_tensors=published["num_tensors"],
                                 num_bytes=published["num_bytes"])

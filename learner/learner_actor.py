@@ -5,7 +5,8 @@ whole batch) and the number of micro-batches every rank runs; the rank groups it
 micro-batches (by sample count, or by token budget with learner.max_tokens_per_micro_batch), then takes one
 optimizer step. Loss values are shares of the global loss (global normalizers), scaled by the world size because
 DeepSpeed averages gradients over ranks: the summed gradient is then the same for 1 or N ranks, whatever the
-split. Weights leave through the Ray object store.
+split. Weights leave through the transport that `weight_sync.type` names (learner/weight_transport.py): the Ray
+object store, or a broadcast to the engines.
 """
 
 import os
@@ -21,7 +22,8 @@ from learner.objective import (
     compute_policy_loss,
     needs_ref_logprobs,
 )
-from learner.weight_transport import pack_state_dict, packed_num_bytes
+from learner.weight_transport import CollectiveSender, HostBuffers, host_arrays, packed_num_bytes
+from learner.weight_wire import BucketLayout, WeightMeta, open_weight_group
 from protocols.config import RunConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -100,6 +102,8 @@ class LearnerRank:
         if not self.use_cuda:
             os.environ["DS_ACCELERATOR"] = "cpu"
         self.engine = None
+        self.host_buffers = HostBuffers(pin_memory=self.use_cuda)
+        self.weight_sender: CollectiveSender | None = None
 
     def node_address(self) -> str:
         import ray
@@ -289,15 +293,90 @@ class LearnerRank:
             return {k: v.detach().cpu() for k, v in module.state_dict().items()}
         return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
-    def publish_weights(self) -> dict | None:
-        """Gather the full weights and put them once in the object store. Rank 0 returns {ref, bytes, seconds}."""
+    def _weight_params(self) -> list[tuple[str, torch.nn.Parameter]]:
+        # remove_duplicate=False lists a tied lm_head under its own name: vLLM's CPU backend needs it loaded too.
+        return list(self.engine.module.named_parameters(remove_duplicate=False))
+
+    def _iter_weights(self):
+        """(name, tensor) in checkpoint names, in a fixed order, live views of the parameters. Under ZeRO-3 the
+        parameters are gathered `weight_sync.bucket_mb` at a time and released after the consumer has read
+        them, so the whole model is never materialized at once. Every rank must iterate it to the end (the
+        gathers are collectives); only rank 0's consumer uses the tensors."""
+        named = self._weight_params()
+        if self.cfg.learner.zero_stage != 3:
+            for name, param in named:
+                yield name, param.detach()
+            return
+        import deepspeed
+
+        limit = self.cfg.weight_sync.bucket_mb * 2**20
+        chunk, size = [], 0
+        for i, (name, param) in enumerate(named):
+            chunk.append((name, param))
+            size += param.ds_numel * param.element_size()
+            if size < limit and i + 1 < len(named):
+                continue
+            unique = list({id(p): p for _, p in chunk}.values())
+            with deepspeed.zero.GatheredParameters(unique, modifier_rank=None):
+                for chunk_name, chunk_param in chunk:
+                    yield chunk_name, chunk_param.detach()
+                if self.use_cuda:
+                    # Copies out of the gathered storage must land before the gather frees it.
+                    torch.cuda.current_stream().synchronize()
+            chunk, size = [], 0
+
+    def weight_metas(self) -> list[tuple[str, str, list[int]]]:
+        """(name, dtype, full shape) of every tensor the transport sends, in order (no gather needed)."""
+        out = []
+        for name, param in self._weight_params():
+            shape = tuple(getattr(param, "ds_shape", param.shape))
+            out.append((name, str(param.dtype).removeprefix("torch."), list(shape)))
+        return out
+
+    def weight_group_address(self) -> tuple[str, int]:
+        """Host and a free port on this rank's own node, for the weight group's store (rank 0 serves it)."""
+        import socket
+
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def join_weight_group(self, info: dict) -> str:
+        """Rank 0 joins the collective weight group as its rank 0 (the engines join at the same time)."""
+        if self.rank != 0:
+            return "not a member"
+        device = self._device() if info["backend"] == "nccl" else torch.device("cpu")
+        metas = [WeightMeta(n, d, tuple(s)) for n, d, s in info["metas"]]
+        group, store = open_weight_group(info["host"], info["port"], 0, info["world_size"], info["backend"],
+                                  info["timeout_s"], device)
+        self.weight_sender = CollectiveSender(group, store, BucketLayout(metas, info["bucket_bytes"]), device,
+                                              info["timeout_s"])
+        return "joined"
+
+    def publish_weights(self, version: int = 0) -> dict | None:
+        """Send the current weights as `version`. object_store: one `ray.put` of reused host buffers, rank 0
+        returns {refs, num_tensors, num_bytes, seconds}. collective: rank 0 broadcasts to the weight group and
+        returns the same with refs=[] (the engines already hold the weights). Other ranks return None."""
         import ray
 
         start = time.perf_counter()
-        state = self._full_state_dict()
-        if state is None:
+        weights = self._iter_weights()
+        if self.rank != 0:
+            for _ in weights:  # join the ZeRO-3 gathers
+                pass
             return None
-        packed = pack_state_dict(state)
+        if self.cfg.weight_sync.type == "collective":
+            if self.weight_sender is None:
+                raise RuntimeError("weight_sync.type=collective but the learner has not joined the weight group; "
+                                   "the trainer calls LearnerGroup.join_weight_group after starting the workers")
+            sent = self.weight_sender.send(weights, version)
+            return {"refs": [], **sent, "seconds": time.perf_counter() - start}
+        # CPU parameters under ZeRO-2 are host memory already and stay put until the put returns: no extra copy.
+        reuse = self.use_cuda or self.cfg.learner.zero_stage == 3
+        packed = host_arrays(weights, self.host_buffers if reuse else None)
         ref = ray.put(packed)
         return {"refs": [ref], "num_tensors": len(packed), "num_bytes": packed_num_bytes(packed),
                 "seconds": time.perf_counter() - start}

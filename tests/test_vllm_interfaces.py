@@ -1,0 +1,28 @@
+"""The installed vLLM offers every interface relayrl loads weights through (actors/vllm_weights.py), and a bad
+transport name in the config is refused with the allowed ones."""
+
+import pytest
+
+from protocols.config import ConfigError, load_config
+
+
+def test_installed_vllm_has_the_interfaces_relayrl_uses():
+    from actors.vllm_weights import TESTED_VLLM, check_vllm_interfaces
+
+    # check_vllm_interfaces raises RuntimeError naming each missing interface and the tested versions; this
+    # test then fails with that message.
+    version = check_vllm_interfaces()
+    assert version in TESTED_VLLM.values(), (
+        f"vLLM {version} passes the interface check but is not a tested version {TESTED_VLLM}: run the "
+        "exact-sync tests (tests/test_weight_sync.py) and add it to TESTED_VLLM and pyproject.toml")
+
+
+def test_unknown_weight_transport_lists_the_allowed_ones():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["weight_sync.type=rdma"])
+    assert "'object_store'" in str(err.value) and "'collective'" in str(err.value)
+    cfg = load_config(None, ["weight_sync.type=collective", "weight_sync.bucket_mb=64"])
+    assert cfg.weight_sync.type == "collective" and cfg.weight_sync.bucket_mb == 64
+    assert load_config(None).weight_sync.type == "object_store"
+    with pytest.raises(ConfigError, match="`weight_sync.object_store.timeout_s`; allowed keys here: bucket_mb, type"):
+        load_config(None, ["weight_sync.timeout_s=5"])  # only the collective backend has a timeout
