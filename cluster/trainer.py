@@ -18,6 +18,7 @@ from actors.controller import RolloutController
 from actors.reward_worker import RewardWorker
 from actors.rollout_worker import RolloutWorker
 from cluster.learner_group import LearnerGroup
+from cluster.placement import create_placement
 from cluster.ray_setup import reward_options, rollout_options, start_ray
 from cluster.run_folder import RunFolder
 from learner.objective import (
@@ -128,14 +129,17 @@ class Trainer:
         self.eval_prompts = self.eval_prompts[: cfg.data.num_eval_prompts]
         self.data_counts = {k: self.data_counts.get(k, 0) + eval_counts.get(k, 0) for k in {**self.data_counts, **eval_counts}}
         start_ray(cfg)
+        # Refuses a plan the cluster cannot hold (with the numbers) before any actor starts.
+        self.placement = create_placement(cfg)
         self.controller = ray.remote(RolloutController).options(num_cpus=0).remote(
             self.train_prompts, cfg.learner.prompts_per_step, cfg.train.max_staleness,
             cfg.algorithm.dynamic_sampling, cfg.train.seed, cfg.rollout.num_workers)
-        self.reward_workers = [ray.remote(RewardWorker).options(**reward_options(cfg)).remote(cfg.reward, i)
+        self.reward_workers = [ray.remote(RewardWorker).options(**reward_options(cfg, self.placement, i)).remote(
+                                   cfg.reward, i)
                                for i in range(cfg.reward.num_workers)]
-        self.learner = LearnerGroup(cfg, self.model_path)
+        self.learner = LearnerGroup(cfg, self.model_path, self.placement)
         self.rollout_workers = [
-            ray.remote(RolloutWorker).options(**rollout_options(cfg)).remote(
+            ray.remote(RolloutWorker).options(**rollout_options(cfg, self.placement, i)).remote(
                 cfg, i, self.model_path, self.controller, self.reward_workers)
             for i in range(cfg.rollout.num_workers)
         ]
@@ -295,6 +299,7 @@ class Trainer:
         self.learner.shutdown()
         for actor in [*self.rollout_workers, *self.reward_workers, self.controller]:
             ray.kill(actor)
+        self.placement.remove()
 
 
 def train(cfg: RunConfig) -> dict:

@@ -1,0 +1,323 @@
+"""Placement: which resources each actor group reserves, checked against the cluster before any actor starts.
+
+One placement group per role: the learner ranks (one GPU each, packed on as few nodes as possible), the rollout
+engines (one bundle of rollout.tensor_parallel_size GPUs per engine; a bundle never spans nodes) and the reward
+workers (CPUs). Planning and checking are pure functions over node lists, so they run without Ray (tests,
+`relayrl plan` with `--node`); `create_placement` reserves the groups on a running cluster.
+"""
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+
+from protocols.config import RunConfig
+
+ROLES = ("rollout", "learner", "reward")
+STRATEGY = "PACK"
+"""Every role's group packs its bundles on as few nodes as possible (Ray's PACK, best effort): learner ranks on
+one node talk over NVLink rather than the network. Each engine is one bundle, so its GPUs share a node."""
+
+
+class PlacementError(ValueError):
+    """A plan the cluster can never hold, or a reservation that timed out; the message names the settings."""
+
+
+@dataclass(frozen=True)
+class Node:
+    """One Ray node: its id, its total resources (`CPU`, `GPU`, custom names) and its address if known."""
+
+    node_id: str
+    resources: dict[str, float]
+    address: str = ""
+
+
+@dataclass
+class RolePlan:
+    """The bundles one actor group reserves: bundle i holds actor i."""
+
+    role: str
+    bundles: list[dict[str, float]]
+    terms: dict[str, str] = field(default_factory=dict)
+    """Per resource, the settings that size this role's demand, e.g. GPU -> "learner.num_ranks=4"."""
+    shape: dict[str, str] = field(default_factory=dict)
+    """Per resource, the settings that size one bundle (for "needs N on one node" errors)."""
+
+
+@dataclass
+class PlacementPlan:
+    roles: list[RolePlan]
+
+    def role(self, name: str) -> RolePlan:
+        return next(r for r in self.roles if r.role == name)
+
+    def totals(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for role in self.roles:
+            for bundle in role.bundles:
+                for name, amount in bundle.items():
+                    out[name] = out.get(name, 0.0) + amount
+        return out
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def plan_placement(cfg: RunConfig, roles: tuple[str, ...] = ROLES) -> PlacementPlan:
+    """The bundles `cfg` asks for, role by role (no cluster needed)."""
+    c, gpus = cfg.cluster, cfg.cluster.use_gpus
+    n_learn, n_roll, n_rew = cfg.learner.num_ranks, cfg.rollout.num_workers, cfg.reward.num_workers
+    tp = cfg.rollout.tensor_parallel_size
+    plans = {}
+
+    learner = {"CPU": c.learner_cpus, **({"GPU": 1.0} if gpus else {}), **c.learner_resources}
+    plans["learner"] = RolePlan(
+        "learner", [dict(learner) for _ in range(n_learn)],
+        terms={"CPU": f"learner.num_ranks={n_learn} x cluster.learner_cpus={_number(c.learner_cpus)}",
+               "GPU": f"learner.num_ranks={n_learn}",
+               **{k: f"learner.num_ranks={n_learn} x cluster.learner_resources.{k}={_number(v)}"
+                  for k, v in c.learner_resources.items()}},
+        shape={"CPU": f"cluster.learner_cpus={_number(c.learner_cpus)}", "GPU": "one learner rank",
+               **{k: f"cluster.learner_resources.{k}={_number(v)}" for k, v in c.learner_resources.items()}})
+
+    rollout = {"CPU": c.rollout_cpus, **({"GPU": float(tp)} if gpus else {}), **c.rollout_resources}
+    plans["rollout"] = RolePlan(
+        "rollout", [dict(rollout) for _ in range(n_roll)],
+        terms={"CPU": f"rollout.num_workers={n_roll} x cluster.rollout_cpus={_number(c.rollout_cpus)}",
+               "GPU": f"rollout.num_workers={n_roll} x rollout.tensor_parallel_size={tp}",
+               **{k: f"rollout.num_workers={n_roll} x cluster.rollout_resources.{k}={_number(v)}"
+                  for k, v in c.rollout_resources.items()}},
+        shape={"CPU": f"cluster.rollout_cpus={_number(c.rollout_cpus)}", "GPU": f"rollout.tensor_parallel_size={tp}",
+               **{k: f"cluster.rollout_resources.{k}={_number(v)}" for k, v in c.rollout_resources.items()}})
+
+    reward = {"CPU": c.reward_cpus, **c.reward_resources}
+    plans["reward"] = RolePlan(
+        "reward", [dict(reward) for _ in range(n_rew)],
+        terms={"CPU": f"reward.num_workers={n_rew} x cluster.reward_cpus={_number(c.reward_cpus)}",
+               **{k: f"reward.num_workers={n_rew} x cluster.reward_resources.{k}={_number(v)}"
+                  for k, v in c.reward_resources.items()}},
+        shape={"CPU": f"cluster.reward_cpus={_number(c.reward_cpus)}",
+               **{k: f"cluster.reward_resources.{k}={_number(v)}" for k, v in c.reward_resources.items()}})
+    return PlacementPlan([plans[r] for r in roles])
+
+
+# --- checking a plan against nodes ----------------------------------------------------------------------------
+_EPS = 1e-9
+_FIX = {"GPU": "lower rollout.num_workers, rollout.tensor_parallel_size or learner.num_ranks, or add GPU nodes",
+        "CPU": "lower the worker counts or cluster.learner_cpus / rollout_cpus / reward_cpus, or add nodes "
+               "(locally: raise cluster.num_cpus)"}
+
+
+def _unit(name: str, amount: float) -> str:
+    plural = "s" if amount != 1 else ""
+    return f"{_number(amount)} {name}{plural}" if name in ("CPU", "GPU") else f"{_number(amount)} of resource {name!r}"
+
+
+def _fits(bundle: dict[str, float], free: dict[str, float]) -> bool:
+    return all(free.get(k, 0.0) + _EPS >= v for k, v in bundle.items())
+
+
+def check_totals(plan: PlacementPlan, nodes: list[Node]) -> None:
+    """Every resource the plan asks for, summed over roles, against the cluster's total."""
+    have: dict[str, float] = {}
+    for node in nodes:
+        for k, v in node.resources.items():
+            have[k] = have.get(k, 0.0) + v
+    for name, need in sorted(plan.totals().items(), key=lambda kv: (kv[0] != "GPU", kv[0] != "CPU", kv[0])):
+        if need <= have.get(name, 0.0) + _EPS:
+            continue
+        terms = " + ".join(r.terms[name] for r in plan.roles if r.bundles and name in r.bundles[0])
+        fix = _FIX.get(name, f"start nodes with `ray start --resources '{{\"{name}\": N}}'` or change the "
+                             "cluster.*_resources settings that ask for it")
+        raise PlacementError(f"{terms} = {_unit(name, need)}; the cluster has {_number(have.get(name, 0.0))} "
+                             f"(on {len(nodes)} node{'s' if len(nodes) != 1 else ''}). Fix: {fix}.")
+
+
+def check_bundles(plan: PlacementPlan, nodes: list[Node]) -> None:
+    """Every bundle must fit on one node by itself (a bundle never spans nodes)."""
+    for role in plan.roles:
+        if not role.bundles:
+            continue
+        bundle = role.bundles[0]
+        if any(_fits(bundle, n.resources) for n in nodes):
+            continue
+        for name, need in bundle.items():
+            largest = max((n.resources.get(name, 0.0) for n in nodes), default=0.0)
+            if need > largest + _EPS:
+                raise PlacementError(
+                    f"{role.shape[name]} needs {_unit(name, need)} on one node; the largest node has "
+                    f"{_number(largest)}. Fix: lower {role.shape[name].split('=')[0]} or add larger nodes.")
+        raise PlacementError(
+            f"one {role.role} bundle {_bundle_text(bundle)} fits on no single node, though each resource fits on "
+            f"some node: nodes are {[_bundle_text(n.resources) for n in nodes]}. Fix: change the cluster.*_resources "
+            f"or CPU settings of the {role.role} role so that one node holds all of it.")
+
+
+def assign_bundles(plan: PlacementPlan, nodes: list[Node]) -> dict[str, list[str]]:
+    """A predicted node per bundle ({role: [node_id per bundle]}), first-fit with the largest bundles first and
+    each role preferring nodes it already uses (PACK). Ray decides the real placement; this finds plans that
+    pass the totals and per-bundle checks but still cannot be packed (three 2-GPU engines on two 3-GPU nodes)."""
+    free = {n.node_id: dict(n.resources) for n in nodes}
+    order = sorted(((r.role, i, b) for r in plan.roles for i, b in enumerate(r.bundles)),
+                   key=lambda x: (-x[2].get("GPU", 0.0), -x[2].get("CPU", 0.0)))
+    out: dict[str, list[str]] = {r.role: [""] * len(r.bundles) for r in plan.roles}
+    for role, index, bundle in order:
+        used = [nid for nid in out[role] if nid]
+        candidates = sorted(free, key=lambda nid: (nid not in used, -free[nid].get("GPU", 0.0) if "GPU" in bundle
+                                                   else -free[nid].get("CPU", 0.0)))
+        target = next((nid for nid in candidates if _fits(bundle, free[nid])), None)
+        if target is None:
+            raise PlacementError(
+                f"the plan fits the cluster's totals but its bundles do not pack onto the nodes: no node has "
+                f"{_bundle_text(bundle)} left for {role} bundle {index} (free after the larger bundles: "
+                f"{ {nid[:8]: _bundle_text(f) for nid, f in free.items()} }). Fix: make engines and node sizes "
+                "divide evenly (rollout.tensor_parallel_size), or lower the worker counts.")
+        for k, v in bundle.items():
+            free[target][k] = free[target].get(k, 0.0) - v
+        out[role][index] = target
+    return out
+
+
+def check_plan(plan: PlacementPlan, nodes: list[Node]) -> dict[str, list[str]]:
+    """Refuse a plan the nodes can never hold (PlacementError with the numbers); return the predicted nodes."""
+    if not nodes:
+        raise PlacementError("the cluster has no alive nodes; check cluster.address and `ray status`")
+    # A bundle larger than every node first: adding nodes of the same size would not help.
+    check_bundles(plan, nodes)
+    check_totals(plan, nodes)
+    return assign_bundles(plan, nodes)
+
+
+def _bundle_text(bundle: dict[str, float]) -> str:
+    shown = {k: v for k, v in bundle.items() if k in ("CPU", "GPU") or not _is_internal(k)}
+    return "{" + ", ".join(f"{k}: {_number(v)}" for k, v in shown.items()) + "}"
+
+
+def _is_internal(name: str) -> bool:
+    return name in ("memory", "object_store_memory") or name.startswith("node:") or "_group_" in name
+
+
+# --- node lists -------------------------------------------------------------------------------------------------
+_NODE_SPEC = re.compile(r"^(?:(\d+)x)?(.+)$")
+
+
+def parse_node_spec(spec: str) -> list[Node]:
+    """`2xGPU=8,CPU=96` -> two nodes of 8 GPUs and 96 CPUs each (offline planning; custom names allowed)."""
+    match = _NODE_SPEC.match(spec.strip())
+    count = int(match.group(1) or 1)
+    resources: dict[str, float] = {}
+    for item in match.group(2).split(","):
+        name, sep, amount = item.partition("=")
+        try:
+            resources[name.strip()] = float(amount)
+        except ValueError:
+            sep = ""
+        if not sep or not name.strip():
+            raise ValueError(f"node spec {spec!r}: {item!r} must look like NAME=AMOUNT, e.g. 2xGPU=8,CPU=96")
+    return [Node(f"node{i}", dict(resources)) for i in range(count)]
+
+
+def local_nodes(cfg: RunConfig) -> list[Node]:
+    """The one node the embedded cluster would start with (see ray_setup.start_ray)."""
+    resources = {"CPU": float(cfg.cluster.num_cpus or max(8, os.cpu_count() or 1))}
+    if cfg.cluster.use_gpus:
+        import torch
+
+        resources["GPU"] = float(torch.cuda.device_count())
+    return [Node("local", resources, "127.0.0.1")]
+
+
+def nodes_from_ray() -> list[Node]:
+    """Alive nodes of the connected Ray cluster with their total resources (node:* markers dropped)."""
+    import ray
+
+    return [Node(n["NodeID"], {k: float(v) for k, v in n["Resources"].items() if not _is_internal(k)},
+                 n.get("NodeManagerAddress", ""))
+            for n in ray.nodes() if n.get("Alive")]
+
+
+def describe(plan: PlacementPlan, nodes: list[Node], assignment: dict[str, list[str]] | None) -> str:
+    """Human-readable plan: per role its bundles and (predicted or actual) nodes, then totals against the nodes."""
+    names = {n.node_id: f"node {i} ({n.address or n.node_id[:8]})" for i, n in enumerate(nodes)}
+    lines = []
+    for role in plan.roles:
+        lines.append(f"{role.role}: {len(role.bundles)} bundle{'s' if len(role.bundles) != 1 else ''} "
+                     f"{_bundle_text(role.bundles[0]) if role.bundles else ''}, strategy {STRATEGY}")
+        if assignment:
+            per_node: dict[str, list[int]] = {}
+            for i, nid in enumerate(assignment[role.role]):
+                per_node.setdefault(nid, []).append(i)
+            for nid, idx in per_node.items():
+                lines.append(f"  {names.get(nid, nid)}: bundles {_ranges(idx)}")
+    totals = plan.totals()
+    have = {k: sum(n.resources.get(k, 0.0) for n in nodes) for k in totals}
+    lines.append("total: " + ", ".join(f"{_unit(k, v)} of {_number(have[k])}" for k, v in totals.items()))
+    lines.append("nodes: " + "; ".join(f"{names[n.node_id]} {_bundle_text(n.resources)}" for n in nodes))
+    return "\n".join(lines)
+
+
+def _ranges(idx: list[int]) -> str:
+    parts, start = [], idx[0]
+    for a, b in zip(idx, idx[1:] + [math.inf]):
+        if b != a + 1:
+            parts.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return ", ".join(parts)
+
+
+# --- reserving on a running cluster -----------------------------------------------------------------------------
+class Placement:
+    """The placement groups of one run, by role; `options(role, i)` schedules actor i into bundle i."""
+
+    def __init__(self, plan: PlacementPlan, groups: dict) -> None:
+        self.plan = plan
+        self.groups = groups
+
+    def options(self, role: str, index: int) -> dict:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = self.plan.role(role).bundles[index]
+        # The actor takes its bundle's CPUs and GPUs; the custom resources already pinned the bundle to its node.
+        return {"num_cpus": bundle.get("CPU", 0.0), "num_gpus": bundle.get("GPU", 0.0),
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    placement_group=self.groups[role], placement_group_bundle_index=index)}
+
+    def bundle_nodes(self, role: str) -> list[str]:
+        """Node id of each bundle of `role`, as Ray placed them."""
+        from ray.util import placement_group_table
+
+        table = placement_group_table(self.groups[role])
+        return [table["bundles_to_node_id"][i] for i in range(len(self.plan.role(role).bundles))]
+
+    def remove(self) -> None:
+        from ray.util import remove_placement_group
+
+        for pg in self.groups.values():
+            remove_placement_group(pg)
+        self.groups = {}
+
+
+def create_placement(cfg: RunConfig, roles: tuple[str, ...] = ROLES) -> Placement:
+    """Check the plan against the connected cluster, then reserve one placement group per role, waiting at most
+    cluster.placement_timeout_s. Raises PlacementError (nothing left reserved) when it cannot."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+    from ray.util import placement_group, remove_placement_group
+
+    plan = plan_placement(cfg, roles)
+    nodes = nodes_from_ray()
+    check_plan(plan, nodes)
+    groups = {r.role: placement_group(r.bundles, strategy=STRATEGY, name="") for r in plan.roles if r.bundles}
+    try:
+        ray.get([pg.ready() for pg in groups.values()], timeout=cfg.cluster.placement_timeout_s)
+    except GetTimeoutError:
+        for pg in groups.values():
+            remove_placement_group(pg)
+        available = {k: v for k, v in ray.available_resources().items() if not _is_internal(k)}
+        raise PlacementError(
+            f"Ray did not reserve the placement groups within cluster.placement_timeout_s="
+            f"{_number(cfg.cluster.placement_timeout_s)} s. The plan fits the cluster's totals, so other jobs "
+            f"probably hold the resources (free now: {_bundle_text(available)}).\n{describe(plan, nodes, None)}\n"
+            "Fix: wait for them, raise cluster.placement_timeout_s, or shrink the plan.") from None
+    return Placement(plan, groups)
