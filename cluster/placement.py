@@ -144,6 +144,11 @@ def check_bundles(plan: PlacementPlan, nodes: list[Node]) -> None:
             continue
         for name, need in bundle.items():
             largest = max((n.resources.get(name, 0.0) for n in nodes), default=0.0)
+            if name == "GPU" and largest == 0:
+                raise PlacementError(
+                    f"cluster.use_gpus=true asks for GPUs ({role.shape[name]} per {role.role} bundle) but no node "
+                    f"of the cluster has a GPU. Fix: set cluster.use_gpus=false to run on CPUs, or join a GPU "
+                    f"cluster with cluster.address.")
             if need > largest + _EPS:
                 raise PlacementError(
                     f"{role.shape[name]} needs {_unit(name, need)} on one node; the largest node has "

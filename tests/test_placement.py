@@ -1,0 +1,119 @@
+"""Placement planning on fake node lists: bundles per role, refusals with the numbers, predicted packing."""
+
+import pytest
+
+from cluster.cli import main
+from cluster.placement import Node, PlacementError, check_plan, parse_node_spec, plan_placement
+from protocols.config import ConfigError, load_config
+
+
+def gpu_config(*overrides: str):
+    return load_config(None, ["cluster.use_gpus=true", "learner.prompts_per_step=64", *overrides])
+
+
+def nodes(count: int, gpus: int, cpus: int = 64, **custom: float) -> list[Node]:
+    return [Node(f"n{i}", {"GPU": float(gpus), "CPU": float(cpus), **custom}) for i in range(count)]
+
+
+def test_gpu_plan_has_one_bundle_per_rank_and_per_engine():
+    cfg = gpu_config("learner.num_ranks=4", "rollout.num_workers=3", "rollout.tensor_parallel_size=2",
+                     "reward.num_workers=2", "cluster.learner_cpus=4")
+    plan = plan_placement(cfg)
+    assert plan.role("learner").bundles == [{"CPU": 4.0, "GPU": 1.0}] * 4
+    assert plan.role("rollout").bundles == [{"CPU": 1.0, "GPU": 2.0}] * 3
+    assert plan.role("reward").bundles == [{"CPU": 0.5}] * 2
+    # GPUs: 4 ranks x 1 + 3 engines x 2 = 10; CPUs: 4 x 4 + 3 x 1 + 2 x 0.5 = 20
+    assert plan.totals() == {"CPU": 20.0, "GPU": 10.0}
+
+
+def test_cpu_plan_asks_only_for_cpus_with_fractions():
+    cfg = load_config(None, ["rollout.num_workers=2", "reward.num_workers=3"])
+    plan = plan_placement(cfg)
+    assert all("GPU" not in b for r in plan.roles for b in r.bundles)
+    # 2 engines x 1 + 1 rank x 1 + 3 reward workers x 0.5 = 4.5 CPUs
+    assert plan.totals() == {"CPU": 4.5}
+
+
+def test_too_many_gpus_is_refused_with_the_numbers():
+    cfg = gpu_config("rollout.num_workers=8", "rollout.tensor_parallel_size=2", "learner.num_ranks=4")
+    with pytest.raises(PlacementError) as err:
+        check_plan(plan_placement(cfg), nodes(2, gpus=8))
+    assert ("rollout.num_workers=8 x rollout.tensor_parallel_size=2 + learner.num_ranks=4 = 20 GPUs; "
+            "the cluster has 16") in str(err.value)
+
+
+def test_bundle_larger_than_any_node_is_refused():
+    cfg = gpu_config("rollout.num_workers=1", "rollout.tensor_parallel_size=16", "learner.num_ranks=1")
+    # 17 GPUs would fit three 8-GPU nodes in total, but one engine's 16 GPUs must share a node
+    with pytest.raises(PlacementError, match="rollout.tensor_parallel_size=16 needs 16 GPUs on one node; "
+                                             "the largest node has 8"):
+        check_plan(plan_placement(cfg), nodes(3, gpus=8))
+
+
+def test_too_many_cpus_is_refused_with_the_numbers():
+    cfg = load_config(None, ["rollout.num_workers=3", "reward.num_workers=2", "cluster.rollout_cpus=2"])
+    # 3 x 2 + 1 x 1 + 2 x 0.5 = 8 CPUs against 4
+    with pytest.raises(PlacementError, match=r"rollout.num_workers=3 x cluster.rollout_cpus=2 \+ learner.num_ranks=1 "
+                                             r"x cluster.learner_cpus=1 \+ reward.num_workers=2 x "
+                                             r"cluster.reward_cpus=0.5 = 8 CPUs; the cluster has 4"):
+        check_plan(plan_placement(cfg), [Node("local", {"CPU": 4.0})])
+
+
+def test_plan_that_fits_totals_but_cannot_pack_is_refused():
+    # three 3-GPU nodes = 9 GPUs = 4 engines x 2 + 1 rank; but each node holds only one 2-GPU engine
+    cfg = gpu_config("rollout.num_workers=4", "rollout.tensor_parallel_size=2", "learner.num_ranks=1")
+    with pytest.raises(PlacementError, match="do not pack"):
+        check_plan(plan_placement(cfg), nodes(3, gpus=3))
+
+
+def test_learner_ranks_pack_on_one_node_and_engines_take_whole_bundles():
+    cfg = gpu_config("rollout.num_workers=6", "rollout.tensor_parallel_size=2", "learner.num_ranks=4")
+    where = check_plan(plan_placement(cfg), nodes(2, gpus=8))
+    # 4 ranks on one node (PACK); each engine's 2 GPUs in one bundle; 6 x 2 + 4 = 16 GPUs = both nodes full
+    assert len(set(where["learner"])) == 1
+    per_node = {n: 0 for n in ("n0", "n1")}
+    for n in where["learner"]:
+        per_node[n] += 1
+    for n in where["rollout"]:
+        per_node[n] += 2
+    assert per_node == {"n0": 8, "n1": 8}
+
+
+def test_custom_resources_pin_roles_to_nodes():
+    cfg = load_config(None, ["rollout.num_workers=2", "cluster.learner_resources={learner_node: 1}",
+                             "cluster.rollout_resources={rollout_node: 1}"])
+    cluster = [Node("head", {"CPU": 4.0}), Node("a", {"CPU": 2.0, "learner_node": 1.0}),
+               Node("b", {"CPU": 2.0, "rollout_node": 2.0})]
+    where = check_plan(plan_placement(cfg), cluster)
+    assert where["learner"] == ["a"] and where["rollout"] == ["b", "b"]
+
+
+def test_missing_custom_resource_is_named():
+    cfg = load_config(None, ["cluster.learner_resources={learner_node: 1}"])
+    with pytest.raises(PlacementError, match="cluster.learner_resources.learner_node=1 needs 1 of resource "
+                                             "'learner_node' on one node; the largest node has 0"):
+        check_plan(plan_placement(cfg), [Node("local", {"CPU": 8.0})])
+
+
+def test_builtin_names_are_refused_as_custom_resources():
+    with pytest.raises(ConfigError, match="cluster.rollout_resources names the built-in resource 'GPU'"):
+        load_config(None, ["cluster.rollout_resources={GPU: 2}"])
+
+
+def test_node_spec_parses_counts_and_custom_names():
+    cluster = parse_node_spec("2xGPU=8,CPU=96,learner_node=4")
+    assert [n.resources for n in cluster] == [{"GPU": 8.0, "CPU": 96.0, "learner_node": 4.0}] * 2
+    with pytest.raises(ValueError, match="NAME=AMOUNT"):
+        parse_node_spec("2xGPU")
+
+
+def test_plan_command_prints_nodes_and_refuses_with_exit_code(capsys):
+    assert main(["plan", "--node", "1xGPU=8,CPU=64", "cluster.use_gpus=true", "learner.num_ranks=4",
+                 "learner.prompts_per_step=64", "rollout.num_workers=4"]) == 0
+    out = capsys.readouterr().out
+    # 4 ranks + 4 engines x 1 GPU = 8 GPUs of 8; CPUs 4 + 4 + 0.5 = 8.5
+    assert "learner: 4 bundles {CPU: 1, GPU: 1}" in out and "bundles 0-3" in out
+    assert "8.5 CPUs of 64, 8 GPUs of 8" in out
+    assert main(["plan", "--node", "1xGPU=8,CPU=64", "cluster.use_gpus=true", "rollout.num_workers=8"]) == 3
+    assert "rollout.num_workers=8 x rollout.tensor_parallel_size=1 + learner.num_ranks=1 = 9 GPUs; the cluster " \
+           "has 8" in capsys.readouterr().err
