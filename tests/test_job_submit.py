@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -40,9 +41,10 @@ def wait_for_dashboard(url: str, head: subprocess.Popen, log: Path, timeout_s: f
         if head.poll() is not None:
             raise RuntimeError(f"`ray start --head` exited with {head.returncode}:\n{log.read_text()[-3000:]}")
         try:
-            with urllib.request.urlopen(f"{url}/api/version", timeout=2) as response:
-                if response.status == 200:
-                    return
+            with urllib.request.urlopen(f"{url}/api/version", timeout=2):
+                return
+        except urllib.error.HTTPError:
+            return  # it answered; 401 when the cluster uses Ray's token authentication (~/.ray/auth_token)
         except OSError:
             time.sleep(1)
     raise TimeoutError(f"the dashboard at {url} did not answer in {timeout_s} s:\n{log.read_text()[-3000:]}")

@@ -117,3 +117,39 @@ def test_plan_command_prints_nodes_and_refuses_with_exit_code(capsys):
     assert main(["plan", "--node", "1xGPU=8,CPU=64", "cluster.use_gpus=true", "rollout.num_workers=8"]) == 3
     assert "rollout.num_workers=8 x rollout.tensor_parallel_size=1 + learner.num_ranks=1 = 9 GPUs; the cluster " \
            "has 8" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_trainer_refuses_an_impossible_plan_before_any_actor_starts(ray_cluster, tmp_path):
+    from cluster.trainer import Trainer
+    from ray.util import placement_group_table
+
+    # the session cluster has 8 CPUs: 9 engines x 1 + 1 rank x 1 + 1 reward worker x 0.5 = 10.5
+    cfg = load_config(None, [f"output_dir={tmp_path}", "rollout.num_workers=9"])
+    groups_before = len(placement_group_table())
+    free_before = ray_cluster.available_resources()["CPU"]
+    with pytest.raises(PlacementError, match=r"rollout.num_workers=9 x cluster.rollout_cpus=1 .* = 10.5 CPUs; "
+                                             r"the cluster has 8"):
+        Trainer(cfg)
+    assert len(placement_group_table()) == groups_before  # nothing reserved
+    assert ray_cluster.available_resources()["CPU"] == free_before
+
+
+@pytest.mark.slow
+def test_reservation_that_cannot_be_met_times_out_naming_the_setting(ray_cluster):
+    from ray.util import placement_group, placement_group_table, remove_placement_group
+
+    from cluster.placement import create_placement
+
+    # another job holds 7 of the 8 CPUs: the plan's 2.5 CPUs fit the totals but not what is free
+    holder = placement_group([{"CPU": 7.0}])
+    ray_cluster.get(holder.ready(), timeout=60)
+    cfg = load_config(None, ["cluster.placement_timeout_s=2"])
+    try:
+        with pytest.raises(PlacementError, match=r"cluster.placement_timeout_s=2 s"):
+            create_placement(cfg)
+        # the groups it asked for were removed, not left pending
+        states = [g["state"] for g in placement_group_table().values()]
+        assert states.count("PENDING") == 0
+    finally:
+        remove_placement_group(holder)
