@@ -64,11 +64,14 @@ def plan_command(cfg, node_specs: list[str]) -> int:
         elif cfg.cluster.address:
             import ray
 
-            ray.init(address=cfg.cluster.address, log_to_driver=False, logging_level="ERROR")
+            joined = not ray.is_initialized()
+            if joined:
+                ray.init(address=cfg.cluster.address, log_to_driver=False, logging_level="ERROR")
             try:
                 nodes, source = nodes_from_ray(), f"the cluster at cluster.address={cfg.cluster.address!r}"
             finally:
-                ray.shutdown()
+                if joined:
+                    ray.shutdown()
         else:
             nodes, source = local_nodes(cfg), "the embedded local cluster (cluster.address is empty)"
     except (ValueError, ConnectionError, RuntimeError) as err:

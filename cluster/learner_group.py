@@ -15,7 +15,7 @@ from cluster.placement import Placement, create_placement
 from cluster.ray_setup import learner_options
 
 
-def _rendezvous_address(rank, all_on_one_node: bool) -> tuple[str, int]:
+def _rendezvous_address(_rank0, all_on_one_node: bool) -> tuple[str, int]:
     """Runs inside rank 0's actor: a free port on its own node (a port free on the driver's node may be taken
     there), and its address, or loopback when every rank shares the node."""
     import ray

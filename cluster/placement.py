@@ -244,7 +244,8 @@ def nodes_from_ray() -> list[Node]:
 
 def describe(plan: PlacementPlan, nodes: list[Node], assignment: dict[str, list[str]] | None) -> str:
     """Human-readable plan: per role its bundles and (predicted or actual) nodes, then totals against the nodes."""
-    names = {n.node_id: f"node {i} ({n.address or n.node_id[:8]})" for i, n in enumerate(nodes)}
+    names = {n.node_id: f"node {i} ({n.address + ', ' if n.address else ''}{n.node_id[:8]})"
+             for i, n in enumerate(nodes)}
     lines = []
     for role in plan.roles:
         lines.append(f"{role.role}: {len(role.bundles)} bundle{'s' if len(role.bundles) != 1 else ''} "

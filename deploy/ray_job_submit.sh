@@ -11,6 +11,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ADDRESS=${RAY_DASHBOARD_ADDRESS:-http://127.0.0.1:8265}
+# `ray start` turns token authentication on when a token exists; `ray job submit` sends the token only when
+# RAY_AUTH_MODE=token, so follow the same rule here (the token: RAY_AUTH_TOKEN or ~/.ray/auth_token).
+if [ -z "${RAY_AUTH_MODE:-}" ] && { [ -n "${RAY_AUTH_TOKEN:-}" ] || [ -f "${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}" ]; }; then
+  export RAY_AUTH_MODE=token
+fi
 RAY=${RAY:-ray}
 # Uploads are capped (512 MiB); the virtual env, run folders and build outputs never belong in them.
 RUNTIME_ENV='{"excludes": [".venv/", ".git", "runs/", ".cache/", "build/", ".whl/", "*.egg-info/", "**/__pycache__/", ".pytest_cache/"]}'

@@ -3,6 +3,7 @@ through deploy/ray_job_submit.sh, its summary read back. Only the cluster this t
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -72,7 +73,11 @@ def test_submitted_demo_job_writes_its_summary(tmp_path):
     flags = [str(x) for flag, port in zip(PORT_FLAGS, ports) for x in (flag, port)]
     # Short path: Ray's Unix sockets live under it and socket paths are limited to 107 characters.
     temp_dir = tempfile.mkdtemp(prefix="rrjob", dir="/tmp")
-    env = {**os.environ, "PATH": f"{venv_bin}{os.pathsep}{os.environ['PATH']}", "RAY_TMPDIR": temp_dir}
+    # Token authentication on, with a token of this test's own: the cluster, `ray job submit` and the job's
+    # driver all read it from the environment, whatever ~/.ray/auth_token holds.
+    env = {**os.environ, "PATH": f"{venv_bin}{os.pathsep}{os.environ['PATH']}", "RAY_TMPDIR": temp_dir,
+           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    env.pop("RAY_AUTH_TOKEN_PATH", None)
     env.pop("RAY_ADDRESS", None)
     log = tmp_path / "head.log"
     with log.open("w") as out:

@@ -59,6 +59,20 @@ def _node_of(actor) -> str:
     return ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
 
 
+def test_plan_command_reads_the_live_nodes(three_nodes, capsys):
+    from cluster.cli import main
+
+    address = ray.get_runtime_context().gcs_address
+    assert main(["plan", f"cluster.address={address}", "cluster.learner_resources={learner_node: 1}",
+                 "cluster.rollout_resources={rollout_node: 1}"]) == 0
+    out = capsys.readouterr().out
+    # three nodes listed; the learner's bundle predicted on the node holding learner_node
+    assert out.count("learner_node: 1}") == 2 and "nodes: node 0" in out and "node 2" in out
+    lines = out.splitlines()
+    learner_line = lines[next(i for i, line in enumerate(lines) if line.startswith("learner:")) + 1]
+    assert three_nodes["learner"][:8] in learner_line
+
+
 def test_demo_job_trains_across_nodes(three_nodes, tmp_path):
     cfg = load_config(None, [
         f"output_dir={tmp_path}", "train.steps=80", "learner.prompts_per_step=16", "rollout.samples_per_prompt=8",
