@@ -42,9 +42,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         return plan_command(cfg, args.node)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from cluster.placement import PlacementError
     from cluster.trainer import train
 
-    summary = train(cfg)
+    try:
+        summary = train(cfg)
+    except PlacementError as err:
+        print(f"relayrl: placement refused before any actor started: {err}", file=sys.stderr)
+        return 3
     brief = {k: summary[k] for k in ("accuracy_before", "accuracy_after", "steps", "wall_seconds", "final_model")}
     print(json.dumps(brief, indent=2))
     return 0

@@ -272,6 +272,16 @@ def _ranges(idx: list[int]) -> str:
     return ", ".join(parts)
 
 
+def precheck_embedded(cfg: RunConfig) -> None:
+    """Before Ray starts: refuse a plan the embedded cluster this run would start could never hold, so a CPU
+    machine refuses `cluster.use_gpus: true` at once rather than after building the model."""
+    import ray
+
+    if ray.is_initialized() or cfg.cluster.address or os.environ.get("RAY_ADDRESS"):
+        return  # a cluster to join: checked against its real nodes by create_placement
+    check_plan(plan_placement(cfg), local_nodes(cfg))
+
+
 # --- reserving on a running cluster -----------------------------------------------------------------------------
 class Placement:
     """The placement groups of one run, by role; `options(role, i)` schedules actor i into bundle i."""

@@ -18,7 +18,7 @@ from actors.controller import RolloutController
 from actors.reward_worker import RewardWorker
 from actors.rollout_worker import RolloutWorker
 from cluster.learner_group import LearnerGroup
-from cluster.placement import create_placement
+from cluster.placement import create_placement, precheck_embedded
 from cluster.ray_setup import reward_options, rollout_options, start_ray
 from cluster.run_folder import RunFolder
 from learner.objective import (
@@ -119,6 +119,7 @@ class Trainer:
                 f"algorithm.preset={cfg.algorithm.preset!r} uses advantage.type=gae, which needs a critic worker "
                 "group; this version does not start one yet. Choose a critic-free preset (grpo, rloo, dr_grpo, "
                 "dapo, gspo, cispo, reinforce, reinforce_pp)")
+        precheck_embedded(cfg)
         self.model_path = resolve_model_path(cfg)
         self.cfg = cfg = fit_lengths_to_model(cfg, self.model_path)
         from transformers import AutoTokenizer

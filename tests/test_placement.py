@@ -153,3 +153,26 @@ def test_reservation_that_cannot_be_met_times_out_naming_the_setting(ray_cluster
         assert states.count("PENDING") == 0
     finally:
         remove_placement_group(holder)
+
+
+
+@pytest.mark.slow
+def test_gpu_run_on_a_machine_without_gpus_is_refused_before_ray_starts(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    from tests.conftest import REPO
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has GPUs")
+    # the command line a user types, in a fresh process (no Ray running there, none started)
+    done = subprocess.run([sys.executable, "-m", "cluster.cli", "train", f"--output-dir={tmp_path}",
+                           "cluster.use_gpus=true", "cluster.num_cpus=8"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert "cluster.use_gpus=true asks for GPUs" in done.stderr and "no node of the cluster has a GPU" in done.stderr
+    assert "Started a local Ray instance" not in done.stderr + done.stdout
