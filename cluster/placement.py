@@ -195,8 +195,9 @@ def check_plan(plan: PlacementPlan, nodes: list[Node]) -> dict[str, list[str]]:
 
 
 def _bundle_text(bundle: dict[str, float]) -> str:
-    shown = {k: v for k, v in bundle.items() if k in ("CPU", "GPU") or not _is_internal(k)}
-    return "{" + ", ".join(f"{k}: {_number(v)}" for k, v in shown.items()) + "}"
+    shown = sorted((k, v) for k, v in bundle.items() if not _is_internal(k))
+    shown.sort(key=lambda kv: (kv[0] != "CPU", kv[0] != "GPU"))  # CPU, GPU, then custom names A-Z
+    return "{" + ", ".join(f"{k}: {_number(v)}" for k, v in shown) + "}"
 
 
 def _is_internal(name: str) -> bool:

@@ -67,7 +67,8 @@ def test_plan_command_reads_the_live_nodes(three_nodes, capsys):
                  "cluster.rollout_resources={rollout_node: 1}"]) == 0
     out = capsys.readouterr().out
     # three nodes listed; the learner's bundle predicted on the node holding learner_node
-    assert out.count("learner_node: 1}") == 2 and "nodes: node 0" in out and "node 2" in out
+    assert "learner: 1 bundle {CPU: 1, learner_node: 1}" in out
+    assert "nodes: node 0" in out and "node 2" in out and "{CPU: 2, learner_node: 1}" in out
     lines = out.splitlines()
     learner_line = lines[next(i for i, line in enumerate(lines) if line.startswith("learner:")) + 1]
     assert three_nodes["learner"][:8] in learner_line
