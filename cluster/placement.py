@@ -1,9 +1,11 @@
 """Placement: which resources each actor group reserves, checked against the cluster before any actor starts.
 
-One placement group per role: the learner ranks (one GPU each, packed on as few nodes as possible), the rollout
-engines (one bundle of rollout.tensor_parallel_size GPUs per engine; a bundle never spans nodes) and the reward
-workers (CPUs). Planning and checking are pure functions over node lists, so they run without Ray (tests,
-`relayrl plan` with `--node`); `create_placement` reserves the groups on a running cluster.
+One placement group per role: the learner ranks (one GPU each, packed on as few nodes as possible) and the reward
+workers (CPUs); on GPUs each rollout engine gets a placement group of its own, rollout.tensor_parallel_size
+one-GPU bundles on one node (STRICT_PACK), the shape vLLM's Ray executor requires for its tensor-parallel workers
+(it refuses bundles of more than one GPU and takes the actor's current placement group). On CPU runs the engines
+share one group of CPU bundles. Planning and checking are pure functions over node lists, so they run without
+Ray (tests, `relayrl plan` with `--node`); `create_placement` reserves the groups on a running cluster.
 """
 
 import math
@@ -34,10 +36,12 @@ class Node:
 
 @dataclass
 class RolePlan:
-    """The bundles one actor group reserves: bundle i holds actor i."""
+    """The resources one actor group reserves: bundles[i] is all that actor i holds, on one node."""
 
     role: str
     bundles: list[dict[str, float]]
+    split_gpus: bool = False
+    """Reserve each actor's share as a STRICT_PACK group of its own, one bundle per GPU (rollout engines on GPUs)."""
     terms: dict[str, str] = field(default_factory=dict)
     """Per resource, the settings that size this role's demand, e.g. GPU -> "learner.num_ranks=4"."""
     shape: dict[str, str] = field(default_factory=dict)
@@ -50,6 +54,20 @@ class PlacementPlan:
 
     def role(self, name: str) -> RolePlan:
         return next(r for r in self.roles if r.role == name)
+
+    def groups(self, name: str) -> list[tuple[list[dict[str, float]], str]]:
+        """The placement groups of role `name` as (bundles, strategy): one PACK group holding a bundle per actor,
+        or, for split_gpus, one STRICT_PACK group per actor whose first bundle also holds the CPUs and custom
+        resources."""
+        role = self.role(name)
+        if not role.split_gpus:
+            return [(role.bundles, STRATEGY)]
+        out = []
+        for whole in role.bundles:
+            gpus = int(whole.get("GPU", 0))
+            first = {k: v for k, v in whole.items() if k != "GPU"} | ({"GPU": 1.0} if gpus else {})
+            out.append(([first] + [{"GPU": 1.0} for _ in range(gpus - 1)], "STRICT_PACK"))
+        return out
 
     def totals(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -83,7 +101,7 @@ def plan_placement(cfg: RunConfig, roles: tuple[str, ...] = ROLES) -> PlacementP
 
     rollout = {"CPU": c.rollout_cpus, **({"GPU": float(tp)} if gpus else {}), **c.rollout_resources}
     plans["rollout"] = RolePlan(
-        "rollout", [dict(rollout) for _ in range(n_roll)],
+        "rollout", [dict(rollout) for _ in range(n_roll)], split_gpus=gpus,
         terms={"CPU": f"rollout.num_workers={n_roll} x cluster.rollout_cpus={_number(c.rollout_cpus)}",
                "GPU": f"rollout.num_workers={n_roll} x rollout.tensor_parallel_size={tp}",
                **{k: f"rollout.num_workers={n_roll} x cluster.rollout_resources.{k}={_number(v)}"
@@ -249,14 +267,19 @@ def describe(plan: PlacementPlan, nodes: list[Node], assignment: dict[str, list[
              for i, n in enumerate(nodes)}
     lines = []
     for role in plan.roles:
-        lines.append(f"{role.role}: {len(role.bundles)} bundle{'s' if len(role.bundles) != 1 else ''} "
-                     f"{_bundle_text(role.bundles[0]) if role.bundles else ''}, strategy {STRATEGY}")
+        if role.split_gpus:
+            lines.append(f"{role.role}: {len(role.bundles)} engine{'s' if len(role.bundles) != 1 else ''} "
+                         f"{_bundle_text(role.bundles[0])} on one node each (a STRICT_PACK group per engine)")
+        else:
+            lines.append(f"{role.role}: {len(role.bundles)} bundle{'s' if len(role.bundles) != 1 else ''} "
+                         f"{_bundle_text(role.bundles[0]) if role.bundles else ''}, strategy {STRATEGY}")
         if assignment:
             per_node: dict[str, list[int]] = {}
             for i, nid in enumerate(assignment[role.role]):
                 per_node.setdefault(nid, []).append(i)
+            unit = "engines" if role.split_gpus else "bundles"
             for nid, idx in per_node.items():
-                lines.append(f"  {names.get(nid, nid)}: bundles {_ranges(idx)}")
+                lines.append(f"  {names.get(nid, nid)}: {unit} {_ranges(idx)}")
     totals = plan.totals()
     have = {k: sum(n.resources.get(k, 0.0) for n in nodes) for k in totals}
     lines.append("total: " + ", ".join(f"{_unit(k, v)} of {_number(have[k])}" for k, v in totals.items()))
@@ -285,38 +308,54 @@ def precheck_embedded(cfg: RunConfig) -> None:
 
 # --- reserving on a running cluster -----------------------------------------------------------------------------
 class Placement:
-    """The placement groups of one run, by role; `options(role, i)` schedules actor i into bundle i."""
+    """The placement groups of one run, by role; `options(role, i)` schedules actor i into its bundle."""
 
-    def __init__(self, plan: PlacementPlan, groups: dict) -> None:
+    def __init__(self, plan: PlacementPlan, groups: dict[str, list]) -> None:
         self.plan = plan
         self.groups = groups
+
+    def _slot(self, role: str, index: int) -> tuple:
+        """(placement group, bundle index) of actor `index`."""
+        if self.plan.role(role).split_gpus:
+            return self.groups[role][index], 0
+        return self.groups[role][0], index
 
     def options(self, role: str, index: int) -> dict:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        bundle = self.plan.role(role).bundles[index]
+        whole = self.plan.role(role).bundles[index]
+        gpus = whole.get("GPU", 0.0)
+        if self.plan.role(role).split_gpus and gpus > 1:
+            # vLLM's Ray executor starts one worker per GPU bundle of this group; the actor holding the engine
+            # needs no GPU of its own.
+            gpus = 0.0
+        group, bundle = self._slot(role, index)
         # The actor takes its bundle's CPUs and GPUs; the custom resources already pinned the bundle to its node.
-        return {"num_cpus": bundle.get("CPU", 0.0), "num_gpus": bundle.get("GPU", 0.0),
+        return {"num_cpus": whole.get("CPU", 0.0), "num_gpus": gpus,
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                    placement_group=self.groups[role], placement_group_bundle_index=index)}
+                    placement_group=group, placement_group_bundle_index=bundle)}
 
     def bundle_nodes(self, role: str) -> list[str]:
-        """Node id of each bundle of `role`, as Ray placed them."""
+        """Node id of each actor's bundle of `role`, as Ray placed them."""
         from ray.util import placement_group_table
 
-        table = placement_group_table(self.groups[role])
-        return [table["bundles_to_node_id"][i] for i in range(len(self.plan.role(role).bundles))]
+        nodes = []
+        for index in range(len(self.plan.role(role).bundles)):
+            group, bundle = self._slot(role, index)
+            nodes.append(placement_group_table(group)["bundles_to_node_id"][bundle])
+        return nodes
 
     def remove(self) -> None:
         from ray.util import remove_placement_group
 
-        for pg in self.groups.values():
-            remove_placement_group(pg)
+        for groups in self.groups.values():
+            for pg in groups:
+                remove_placement_group(pg)
         self.groups = {}
 
 
 def create_placement(cfg: RunConfig, roles: tuple[str, ...] = ROLES) -> Placement:
-    """Check the plan against the connected cluster, then reserve one placement group per role, waiting at most
+    """Check the plan against the connected cluster, then reserve the placement groups, waiting at most
     cluster.placement_timeout_s. Raises PlacementError (nothing left reserved) when it cannot."""
     import ray
     from ray.exceptions import GetTimeoutError
@@ -325,12 +364,14 @@ def create_placement(cfg: RunConfig, roles: tuple[str, ...] = ROLES) -> Placemen
     plan = plan_placement(cfg, roles)
     nodes = nodes_from_ray()
     check_plan(plan, nodes)
-    groups = {r.role: placement_group(r.bundles, strategy=STRATEGY, name="") for r in plan.roles if r.bundles}
+    groups = {r.role: [placement_group(bundles, strategy=strategy) for bundles, strategy in plan.groups(r.role)]
+              for r in plan.roles if r.bundles}
     try:
-        ray.get([pg.ready() for pg in groups.values()], timeout=cfg.cluster.placement_timeout_s)
+        ray.get([pg.ready() for pgs in groups.values() for pg in pgs], timeout=cfg.cluster.placement_timeout_s)
     except GetTimeoutError:
-        for pg in groups.values():
-            remove_placement_group(pg)
+        for pgs in groups.values():
+            for pg in pgs:
+                remove_placement_group(pg)
         available = {k: v for k, v in ray.available_resources().items() if not _is_internal(k)}
         raise PlacementError(
             f"Ray did not reserve the placement groups within cluster.placement_timeout_s="

@@ -37,8 +37,11 @@ def three_nodes():
     os.environ["RAY_TMPDIR"] = tmp
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 3, "object_store_memory": OBJECT_STORE_BYTES, "include_dashboard": False})
-    learner = cluster.add_node(num_cpus=2, resources={"learner_node": 1}, object_store_memory=OBJECT_STORE_BYTES)
-    rollout = cluster.add_node(num_cpus=2, resources={"rollout_node": 1}, object_store_memory=OBJECT_STORE_BYTES)
+    # Logical GPUs (nothing uses them on CPU runs) let test_gpu_placement_groups reserve the GPU shapes for real.
+    learner = cluster.add_node(num_cpus=2, num_gpus=1, resources={"learner_node": 1},
+                               object_store_memory=OBJECT_STORE_BYTES)
+    rollout = cluster.add_node(num_cpus=2, num_gpus=2, resources={"rollout_node": 1},
+                               object_store_memory=OBJECT_STORE_BYTES)
     cluster.wait_for_nodes()
     try:
         ray.init(address=cluster.address, logging_level="WARNING",
@@ -72,6 +75,26 @@ def test_plan_command_reads_the_live_nodes(three_nodes, capsys):
     lines = out.splitlines()
     learner_line = lines[next(i for i, line in enumerate(lines) if line.startswith("learner:")) + 1]
     assert three_nodes["learner"][:8] in learner_line
+
+
+def test_gpu_placement_groups_reserve_on_the_pinned_nodes(three_nodes):
+    from cluster.placement import create_placement
+
+    # one engine of tensor_parallel_size 2 (a STRICT_PACK group of two 1-GPU bundles) and one learner rank
+    cfg = load_config(None, ["cluster.use_gpus=true", "rollout.tensor_parallel_size=2",
+                             "cluster.learner_resources={learner_node: 1}", "cluster.rollout_resources={rollout_node: 1}"])
+    placement = create_placement(cfg)
+    try:
+        assert placement.bundle_nodes("learner") == [three_nodes["learner"]]
+        assert placement.bundle_nodes("rollout") == [three_nodes["rollout"]]
+        [engine] = placement.groups["rollout"]
+        table = ray.util.placement_group_table(engine)
+        assert table["strategy"] == "STRICT_PACK" and set(table["bundles_to_node_id"].values()) == {three_nodes["rollout"]}
+        assert [b.get("GPU") for b in engine.bundle_specs] == [1.0, 1.0]
+        # the engine's actor holds no GPU: vLLM's Ray executor starts one worker per GPU bundle
+        assert placement.options("rollout", 0)["num_gpus"] == 0 and placement.options("learner", 0)["num_gpus"] == 1
+    finally:
+        placement.remove()
 
 
 def test_demo_job_trains_across_nodes(three_nodes, tmp_path):

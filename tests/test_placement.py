@@ -26,6 +26,17 @@ def test_gpu_plan_has_one_bundle_per_rank_and_per_engine():
     assert plan.totals() == {"CPU": 20.0, "GPU": 10.0}
 
 
+def test_gpu_engine_is_a_strict_pack_group_of_one_gpu_bundles():
+    cfg = gpu_config("rollout.num_workers=2", "rollout.tensor_parallel_size=4", "cluster.rollout_cpus=8",
+                     "cluster.rollout_resources={rollout_node: 1}")
+    plan = plan_placement(cfg)
+    # vLLM's Ray executor refuses bundles of more than one GPU: 4 bundles of 1 GPU, CPUs and pins in the first
+    engine = ([{"CPU": 8.0, "rollout_node": 1.0, "GPU": 1.0}, {"GPU": 1.0}, {"GPU": 1.0}, {"GPU": 1.0}], "STRICT_PACK")
+    assert plan.groups("rollout") == [engine, engine]
+    # the learner's ranks share one PACK group
+    assert plan.groups("learner") == [([{"CPU": 1.0, "GPU": 1.0}], "PACK")]
+
+
 def test_cpu_plan_asks_only_for_cpus_with_fractions():
     cfg = load_config(None, ["rollout.num_workers=2", "reward.num_workers=3"])
     plan = plan_placement(cfg)
