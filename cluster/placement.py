@@ -82,41 +82,33 @@ def _number(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
+def _role_plan(role: str, count: str, n: int, cpus: str, cpu_amount: float, custom: str,
+               custom_amounts: dict[str, float], gpus: float = 0.0, gpu_count: str = "", gpu_shape: str = "",
+               split_gpus: bool = False) -> RolePlan:
+    """n equal bundles; `count`, `cpus`, `custom` name the settings that size them (for the error messages)."""
+    bundle = {"CPU": cpu_amount, **({"GPU": gpus} if gpus else {}), **custom_amounts}
+    terms = {"CPU": f"{count}={n} x {cpus}={_number(cpu_amount)}", "GPU": gpu_count,
+             **{k: f"{count}={n} x {custom}.{k}={_number(v)}" for k, v in custom_amounts.items()}}
+    shape = {"CPU": f"{cpus}={_number(cpu_amount)}", "GPU": gpu_shape,
+             **{k: f"{custom}.{k}={_number(v)}" for k, v in custom_amounts.items()}}
+    return RolePlan(role, [dict(bundle) for _ in range(n)], split_gpus=split_gpus, terms=terms, shape=shape)
+
+
 def plan_placement(cfg: RunConfig, roles: tuple[str, ...] = ROLES) -> PlacementPlan:
     """The bundles `cfg` asks for, role by role (no cluster needed)."""
-    c, gpus = cfg.cluster, cfg.cluster.use_gpus
-    n_learn, n_roll, n_rew = cfg.learner.num_ranks, cfg.rollout.num_workers, cfg.reward.num_workers
-    tp = cfg.rollout.tensor_parallel_size
-    plans = {}
-
-    learner = {"CPU": c.learner_cpus, **({"GPU": 1.0} if gpus else {}), **c.learner_resources}
-    plans["learner"] = RolePlan(
-        "learner", [dict(learner) for _ in range(n_learn)],
-        terms={"CPU": f"learner.num_ranks={n_learn} x cluster.learner_cpus={_number(c.learner_cpus)}",
-               "GPU": f"learner.num_ranks={n_learn}",
-               **{k: f"learner.num_ranks={n_learn} x cluster.learner_resources.{k}={_number(v)}"
-                  for k, v in c.learner_resources.items()}},
-        shape={"CPU": f"cluster.learner_cpus={_number(c.learner_cpus)}", "GPU": "one learner rank",
-               **{k: f"cluster.learner_resources.{k}={_number(v)}" for k, v in c.learner_resources.items()}})
-
-    rollout = {"CPU": c.rollout_cpus, **({"GPU": float(tp)} if gpus else {}), **c.rollout_resources}
-    plans["rollout"] = RolePlan(
-        "rollout", [dict(rollout) for _ in range(n_roll)], split_gpus=gpus,
-        terms={"CPU": f"rollout.num_workers={n_roll} x cluster.rollout_cpus={_number(c.rollout_cpus)}",
-               "GPU": f"rollout.num_workers={n_roll} x rollout.tensor_parallel_size={tp}",
-               **{k: f"rollout.num_workers={n_roll} x cluster.rollout_resources.{k}={_number(v)}"
-                  for k, v in c.rollout_resources.items()}},
-        shape={"CPU": f"cluster.rollout_cpus={_number(c.rollout_cpus)}", "GPU": f"rollout.tensor_parallel_size={tp}",
-               **{k: f"cluster.rollout_resources.{k}={_number(v)}" for k, v in c.rollout_resources.items()}})
-
-    reward = {"CPU": c.reward_cpus, **c.reward_resources}
-    plans["reward"] = RolePlan(
-        "reward", [dict(reward) for _ in range(n_rew)],
-        terms={"CPU": f"reward.num_workers={n_rew} x cluster.reward_cpus={_number(c.reward_cpus)}",
-               **{k: f"reward.num_workers={n_rew} x cluster.reward_resources.{k}={_number(v)}"
-                  for k, v in c.reward_resources.items()}},
-        shape={"CPU": f"cluster.reward_cpus={_number(c.reward_cpus)}",
-               **{k: f"cluster.reward_resources.{k}={_number(v)}" for k, v in c.reward_resources.items()}})
+    c, on_gpus = cfg.cluster, cfg.cluster.use_gpus
+    n_learn, n_roll, tp = cfg.learner.num_ranks, cfg.rollout.num_workers, cfg.rollout.tensor_parallel_size
+    plans = {
+        "learner": _role_plan("learner", "learner.num_ranks", n_learn, "cluster.learner_cpus", c.learner_cpus,
+                              "cluster.learner_resources", c.learner_resources, gpus=1.0 if on_gpus else 0.0,
+                              gpu_count=f"learner.num_ranks={n_learn}", gpu_shape="one learner rank"),
+        "rollout": _role_plan("rollout", "rollout.num_workers", n_roll, "cluster.rollout_cpus", c.rollout_cpus,
+                              "cluster.rollout_resources", c.rollout_resources, gpus=float(tp) if on_gpus else 0.0,
+                              gpu_count=f"rollout.num_workers={n_roll} x rollout.tensor_parallel_size={tp}",
+                              gpu_shape=f"rollout.tensor_parallel_size={tp}", split_gpus=on_gpus),
+        "reward": _role_plan("reward", "reward.num_workers", cfg.reward.num_workers, "cluster.reward_cpus",
+                             c.reward_cpus, "cluster.reward_resources", c.reward_resources),
+    }
     return PlacementPlan([plans[r] for r in roles])
 
 
