@@ -71,7 +71,7 @@ def test_plan_command_reads_the_live_nodes(three_nodes, capsys):
     out = capsys.readouterr().out
     # three nodes listed; the learner's bundle predicted on the node holding learner_node
     assert "learner: 1 bundle {CPU: 1, learner_node: 1}" in out
-    assert "nodes: node 0" in out and "node 2" in out and "{CPU: 2, learner_node: 1}" in out
+    assert "nodes: node 0" in out and "node 2" in out and "{CPU: 2, GPU: 1, learner_node: 1}" in out
     lines = out.splitlines()
     learner_line = lines[next(i for i, line in enumerate(lines) if line.startswith("learner:")) + 1]
     assert three_nodes["learner"][:8] in learner_line
