@@ -137,11 +137,16 @@ def check_totals(plan: PlacementPlan, nodes: list[Node]) -> None:
     for name, need in sorted(plan.totals().items(), key=lambda kv: (kv[0] != "GPU", kv[0] != "CPU", kv[0])):
         if need <= have.get(name, 0.0) + _EPS:
             continue
-        terms = " + ".join(r.terms[name] for r in plan.roles if r.bundles and name in r.bundles[0])
         fix = _FIX.get(name, f"start nodes with `ray start --resources '{{\"{name}\": N}}'` or change the "
                              "cluster.*_resources settings that ask for it")
-        raise PlacementError(f"{terms} = {_unit(name, need)}; the cluster has {_number(have.get(name, 0.0))} "
+        raise PlacementError(f"{_demand(plan, name)}; the cluster has {_number(have.get(name, 0.0))} "
                              f"(on {len(nodes)} node{'s' if len(nodes) != 1 else ''}). Fix: {fix}.")
+
+
+def _demand(plan: PlacementPlan, name: str) -> str:
+    """'rollout.num_workers=8 x rollout.tensor_parallel_size=2 + learner.num_ranks=4 = 20 GPUs'."""
+    terms = " + ".join(r.terms[name] for r in plan.roles if r.bundles and name in r.bundles[0])
+    return f"{terms} = {_unit(name, plan.totals().get(name, 0.0))}"
 
 
 def check_bundles(plan: PlacementPlan, nodes: list[Node]) -> None:
@@ -156,9 +161,9 @@ def check_bundles(plan: PlacementPlan, nodes: list[Node]) -> None:
             largest = max((n.resources.get(name, 0.0) for n in nodes), default=0.0)
             if name == "GPU" and largest == 0:
                 raise PlacementError(
-                    f"cluster.use_gpus=true asks for GPUs ({role.shape[name]} per {role.role} bundle) but no node "
-                    f"of the cluster has a GPU. Fix: set cluster.use_gpus=false to run on CPUs, or join a GPU "
-                    f"cluster with cluster.address.")
+                    f"cluster.use_gpus=true asks for {_demand(plan, 'GPU')}; the cluster has 0 (no node of the "
+                    f"cluster has a GPU). Fix: set cluster.use_gpus=false to run on CPUs, or join a GPU cluster "
+                    f"with cluster.address.")
             if need > largest + _EPS:
                 raise PlacementError(
                     f"{role.shape[name]} needs {_unit(name, need)} on one node; the largest node has "

@@ -185,5 +185,7 @@ def test_gpu_run_on_a_machine_without_gpus_is_refused_before_ray_starts(tmp_path
                           cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 3, done.stderr[-3000:]
-    assert "cluster.use_gpus=true asks for GPUs" in done.stderr and "no node of the cluster has a GPU" in done.stderr
+    # 1 engine x 1 GPU + 1 rank = 2 GPUs
+    assert ("cluster.use_gpus=true asks for rollout.num_workers=1 x rollout.tensor_parallel_size=1 + "
+            "learner.num_ranks=1 = 2 GPUs; the cluster has 0") in done.stderr
     assert "Started a local Ray instance" not in done.stderr + done.stdout
