@@ -4,6 +4,7 @@ through deploy/ray_job_submit.sh, its summary read back. Only the cluster this t
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -97,6 +98,7 @@ def test_submitted_demo_job_writes_its_summary(tmp_path):
             capture_output=True, text=True, timeout=900)
     finally:
         left = stop_head(head, temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
     assert submit.returncode == 0, submit.stdout[-4000:] + submit.stderr[-4000:]
     assert "succeeded" in submit.stdout + submit.stderr
     summary = json.loads((run_dir / "summary.json").read_text())

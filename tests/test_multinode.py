@@ -7,6 +7,7 @@ this module and started again after it.
 
 import json
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -50,6 +51,7 @@ def three_nodes():
     finally:
         ray.shutdown()
         cluster.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
         if old_tmp is None:
             os.environ.pop("RAY_TMPDIR", None)
         else:
