@@ -13,13 +13,19 @@ from learner.learner_actor import LearnerRank, plan_micro_batches, sample_tokens
 from learner.micro_batches import plan_ranks
 from learner.objective import LossNormalizer
 from protocols.config import RunConfig
+from cluster.placement import Placement, create_placement
 from cluster.ray_setup import learner_options
 
 
-def _free_port() -> int:
+def _rendezvous_address(_rank0, all_on_one_node: bool) -> tuple[str, int]:
+    """Runs inside rank 0's actor: a free port on its own node (a port free on the driver's node may be taken
+    there), and its address, or loopback when every rank shares the node."""
+    import ray
+
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return ("127.0.0.1" if all_on_one_node else ray.util.get_node_ip_address()), port
 
 
 def balanced_shards(samples: dict[str, list], cfg: RunConfig, num_ranks: int) -> tuple[list[list[int]], list[dict], int]:
@@ -41,16 +47,19 @@ def merge_rows(parts: list[list[int]], results: list[list]) -> list:
 
 
 class LearnerGroup:
-    def __init__(self, cfg: RunConfig, model_path: str) -> None:
+    def __init__(self, cfg: RunConfig, model_path: str, placement: Placement | None = None) -> None:
+        """Start the ranks in the learner's placement group (the run's, or one of its own when None) and join
+        them into one process group."""
         self.cfg = cfg
+        self._own_placement = placement is None
+        self.placement = placement or create_placement(cfg, roles=("learner",))
         n = cfg.learner.num_ranks
-        remote = ray.remote(LearnerRank).options(**learner_options(cfg))
-        self.ranks = [remote.remote(cfg, r, n, model_path) for r in range(n)]
-        master = ray.get(self.ranks[0].node_address.remote())
-        # The port is picked on the driver's node; on a multi-node cluster rank 0 may live elsewhere, so the
-        # port is only a good guess there. Ray's own collective setup is the alternative if this ever collides.
-        port = _free_port()
-        ray.get([rank.setup.remote(master if cfg.cluster.address else "127.0.0.1", port) for rank in self.ranks])
+        self.ranks = [ray.remote(LearnerRank).options(**learner_options(cfg, self.placement, r)).remote(
+            cfg, r, n, model_path) for r in range(n)]
+        one_node = len(set(self.placement.bundle_nodes("learner"))) == 1
+        # __ray_call__ runs the function inside rank 0's own process, so the port is free on rank 0's node.
+        master, port = ray.get(self.ranks[0].__ray_call__.remote(_rendezvous_address, one_node))
+        ray.get([rank.setup.remote(master, port) for rank in self.ranks])
 
     def train_step(self, samples: dict[str, list], normalizer: LossNormalizer) -> dict[str, float]:
         _, shards, count = balanced_shards(samples, self.cfg, len(self.ranks))
@@ -98,3 +107,5 @@ class LearnerGroup:
     def shutdown(self) -> None:
         for rank in self.ranks:
             ray.kill(rank)
+        if self._own_placement:
+            self.placement.remove()

@@ -1,13 +1,15 @@
-"""Starting or joining Ray, and the resources each actor group asks for.
+"""Starting or joining Ray, and the Ray options each actor group is started with.
 
 Locally (no `cluster.address`) an embedded Ray starts on this machine with logical CPUs to spare, so that
-actors take fractions of the cores; on a cluster, GPUs are requested per vLLM engine and per learner rank.
+actors take fractions of the cores. Inside a submitted Ray job (`RAY_ADDRESS` set) the run joins that cluster.
+Every actor runs in its bundle of the run's placement groups (cluster/placement.py).
 """
 
 import os
 
 import ray
 
+from cluster.placement import Placement
 from protocols.config import RunConfig
 
 
@@ -26,8 +28,10 @@ def start_ray(cfg: RunConfig) -> None:
     if not cfg.cluster.use_gpus:
         env["DS_ACCELERATOR"] = "cpu"
     try:
-        if cfg.cluster.address:
-            ray.init(address=cfg.cluster.address, runtime_env={"env_vars": env}, log_to_driver=True)
+        # `ray job submit` sets RAY_ADDRESS for the job's driver: join that cluster, never start a second one.
+        address = cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
+        if address:
+            ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
         else:
             # Logical CPUs: actors reserve fractions of them; the OS shares the real cores.
             num_cpus = cfg.cluster.num_cpus or max(8, os.cpu_count() or 1)
@@ -43,17 +47,25 @@ def start_ray(cfg: RunConfig) -> None:
         ) from err
 
 
-def rollout_options(cfg: RunConfig) -> dict:
-    if cfg.cluster.use_gpus:
-        return {"num_cpus": 1, "num_gpus": cfg.rollout.tensor_parallel_size}
-    return {"num_cpus": 1}
+def _legacy_options(cfg: RunConfig, role: str) -> dict:
+    """Resources of one actor of `role` outside any placement group (tests that start single actors)."""
+    c = cfg.cluster
+    cpus = {"rollout": c.rollout_cpus, "learner": c.learner_cpus, "reward": c.reward_cpus}[role]
+    gpus = {"rollout": cfg.rollout.tensor_parallel_size, "learner": 1, "reward": 0}[role] if c.use_gpus else 0
+    resources = {"rollout": c.rollout_resources, "learner": c.learner_resources, "reward": c.reward_resources}[role]
+    return {"num_cpus": cpus, "num_gpus": gpus, **({"resources": dict(resources)} if resources else {})}
 
 
-def learner_options(cfg: RunConfig) -> dict:
-    if cfg.cluster.use_gpus:
-        return {"num_cpus": 1, "num_gpus": 1}
-    return {"num_cpus": 1}
+def rollout_options(cfg: RunConfig, placement: Placement | None = None, index: int = 0) -> dict:
+    """Ray options for rollout engine `index`: its bundle of the run's placement (see cluster/placement.py)."""
+    return placement.options("rollout", index) if placement else _legacy_options(cfg, "rollout")
 
 
-def reward_options(cfg: RunConfig) -> dict:
-    return {"num_cpus": 0.5}
+def learner_options(cfg: RunConfig, placement: Placement | None = None, index: int = 0) -> dict:
+    """Ray options for learner rank `index`: its bundle of the run's placement."""
+    return placement.options("learner", index) if placement else _legacy_options(cfg, "learner")
+
+
+def reward_options(cfg: RunConfig, placement: Placement | None = None, index: int = 0) -> dict:
+    """Ray options for reward worker `index`: its bundle of the run's placement."""
+    return placement.options("reward", index) if placement else _legacy_options(cfg, "reward")

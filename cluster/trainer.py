@@ -18,6 +18,7 @@ from actors.controller import ControllerActor
 from actors.reward_worker import RewardWorker, score_on_workers
 from actors.rollout_worker import RolloutWorker
 from cluster.learner_group import LearnerGroup
+from cluster.placement import create_placement, precheck_embedded
 from cluster.ray_setup import reward_options, rollout_options, start_ray
 from cluster.run_folder import RunFolder
 from learner.objective import (
@@ -124,6 +125,7 @@ class Trainer:
                 f"algorithm.preset={cfg.algorithm.preset!r} uses advantage.type=gae, which needs a critic worker "
                 "group; this version does not start one yet. Choose a critic-free preset (grpo, rloo, dr_grpo, "
                 "dapo, gspo, cispo, reinforce, reinforce_pp)")
+        precheck_embedded(cfg)
         self.model_path = resolve_model_path(cfg)
         self.cfg = cfg = fit_lengths_to_model(cfg, self.model_path)
         from transformers import AutoTokenizer
@@ -134,16 +136,19 @@ class Trainer:
         self.eval_prompts = self.eval_prompts[: cfg.data.num_eval_prompts]
         self.data_counts = {k: self.data_counts.get(k, 0) + eval_counts.get(k, 0) for k in {**self.data_counts, **eval_counts}}
         start_ray(cfg)
+        # Refuses a plan the cluster cannot hold (with the numbers) before any actor starts.
+        self.placement = create_placement(cfg)
         # every rollout worker keeps one long poll (`watch`) open, so the actor serves more calls than workers
         self.controller = ray.remote(ControllerActor).options(
             num_cpus=0, max_concurrency=max(1000, 2 * cfg.rollout.num_workers + 64)).remote(
             self.train_prompts, cfg.learner.prompts_per_step, cfg.train.max_staleness,
             cfg.algorithm.dynamic_sampling, cfg.train.seed, cfg.rollout.num_workers)
-        self.reward_workers = [ray.remote(RewardWorker).options(**reward_options(cfg)).remote(cfg.reward, i)
+        self.reward_workers = [ray.remote(RewardWorker).options(**reward_options(cfg, self.placement, i)).remote(
+                                   cfg.reward, i)
                                for i in range(cfg.reward.num_workers)]
-        self.learner = LearnerGroup(cfg, self.model_path)
+        self.learner = LearnerGroup(cfg, self.model_path, self.placement)
         self.rollout_workers = [
-            ray.remote(RolloutWorker).options(**rollout_options(cfg)).remote(
+            ray.remote(RolloutWorker).options(**rollout_options(cfg, self.placement, i)).remote(
                 cfg, i, self.model_path, self.controller, self.reward_workers)
             for i in range(cfg.rollout.num_workers)
         ]
@@ -304,6 +309,7 @@ class Trainer:
         self.learner.shutdown()
         for actor in [*self.rollout_workers, *self.reward_workers, self.controller]:
             ray.kill(actor)
+        self.placement.remove()
 
 
 def train(cfg: RunConfig) -> dict:

@@ -18,16 +18,27 @@ def shared_dir() -> Path:
     return Path(os.environ.get("RELAYRL_SHARED_DIR", REPO.parent / "shared"))
 
 
-@pytest.fixture(scope="session")
-def ray_cluster():
+TEST_ENV_VARS = {"DS_ACCELERATOR": "cpu", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+"""Environment of every test actor (besides cluster.ray_setup.QUIET_ENV)."""
+
+
+def start_test_ray() -> None:
+    """The session's local Ray (8 logical CPUs). Tests that need another cluster shut it down and call this
+    again when they are done, so the tests after them find it as before."""
     import ray
 
     from cluster.ray_setup import QUIET_ENV
 
     if not ray.is_initialized():
         ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING",
-                 runtime_env={"env_vars": {**QUIET_ENV, "DS_ACCELERATOR": "cpu", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                                           "VLLM_CPU_KVCACHE_SPACE": "1"}})
+                 runtime_env={"env_vars": {**QUIET_ENV, **TEST_ENV_VARS}})
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    start_test_ray()
     yield ray
     ray.shutdown()
 
