@@ -66,7 +66,11 @@ def tensor_parallel_engine_args(tensor_parallel_size: int, on_gpu: bool) -> dict
     """
     if tensor_parallel_size == 1:
         return {}
-    if not on_gpu and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto":
+    if on_gpu:
+        # The engine's placement group holds one single-GPU bundle per rank (cluster/placement.py) and the actor
+        # itself holds none; vLLM's Ray executor starts one worker in each bundle of the actor's group.
+        return {"distributed_executor_backend": "ray"}
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto":
         cores = sorted(os.sched_getaffinity(0))
         if len(cores) < tensor_parallel_size:
             raise ValueError(f"rollout.tensor_parallel_size={tensor_parallel_size} needs one CPU core per rank on "

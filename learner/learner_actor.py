@@ -105,11 +105,6 @@ class LearnerRank:
         self.host_buffers = HostBuffers(pin_memory=self.use_cuda)
         self.weight_sender: CollectiveSender | None = None
 
-    def node_address(self) -> str:
-        import ray
-
-        return ray.util.get_node_ip_address()
-
     def setup(self, master_addr: str, master_port: int) -> int:
         """Join the process group and build the DeepSpeed engine. All ranks must call it together."""
         import deepspeed
