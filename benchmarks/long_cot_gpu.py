@@ -49,6 +49,7 @@ def run_row(folder: Path, path: str, resp_len: int, grad_ckpt: bool, args, port:
         f"cluster.use_gpus={'true' if cuda else 'false'}", f"model.dtype={'bfloat16' if cuda else 'float32'}",
         f"model.path={folder}", "algorithm.preset=dapo", "learner.zero_stage=2",
         f"learner.gradient_checkpointing={'true' if grad_ckpt else 'false'}",
+        f"learner.uncheckpointed_layers={args.uncheckpointed_layers if path == 'new' else 0}",
         f"learner.prompts_per_step={max(1, args.samples // 2)}",
         "rollout.samples_per_prompt=2", f"rollout.max_response_tokens={resp_len}",
         f"data.max_prompt_tokens={args.prompt_len}", *learner_cfg])
@@ -102,6 +103,8 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=1, help="samples per step (the issue's table used 8 at 8k)")
     ap.add_argument("--per-micro-batch", type=int, default=1,
                     help="new path: samples packed in one micro-batch (token budget = this x prompt + response)")
+    ap.add_argument("--uncheckpointed-layers", type=int, default=0,
+                    help="new path with checkpointing on: decoder layers left without it (learner.uncheckpointed_layers)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=151936)

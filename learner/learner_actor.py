@@ -92,6 +92,18 @@ def reset_peak_memory(device: torch.device) -> None:
         pass
 
 
+def enable_gradient_checkpointing(model: torch.nn.Module, uncheckpointed_layers: int) -> int:
+    """Checkpoint every decoder layer but the last `uncheckpointed_layers` (learner.uncheckpointed_layers);
+    returns how many are checkpointed. Checkpointing changes memory and time, never the numbers."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    model.gradient_checkpointing_enable()
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for layer in layers[len(layers) - min(uncheckpointed_layers, len(layers)):]:
+        layer.gradient_checkpointing = False
+    return sum(layer.gradient_checkpointing for layer in layers)
+
+
 class LearnerRank:
     def __init__(self, cfg: RunConfig, rank: int, world_size: int, model_path: str) -> None:
         self.cfg = cfg
@@ -123,7 +135,7 @@ class LearnerRank:
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype, attn_implementation=attn,
                                                      trust_remote_code=cfg.model.trust_remote_code)
         if cfg.learner.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+            enable_gradient_checkpointing(model, cfg.learner.uncheckpointed_layers)
         self.ref_model = None
         if needs_ref_logprobs(cfg.algorithm):
             # Frozen initial policy for the KL term. A separate reference worker group replaces this for big models.

@@ -1,0 +1,39 @@
+"""learner.uncheckpointed_layers: the last N decoder layers keep their activations; the numbers never change."""
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from learner.learner_actor import enable_gradient_checkpointing
+
+
+def tiny_model() -> Qwen2ForCausalLM:
+    cfg = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(cfg).train()
+
+
+def loss_and_grads(model: Qwen2ForCausalLM) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def test_last_layers_are_left_uncheckpointed():
+    model = tiny_model()
+    # 4 layers, 1 left out: layers 0-2 recompute, layer 3 keeps its activations
+    assert enable_gradient_checkpointing(model, 1) == 3
+    assert [layer.gradient_checkpointing for layer in model.model.layers] == [True, True, True, False]
+    # more than there are: none checkpointed
+    assert enable_gradient_checkpointing(tiny_model(), 9) == 0
+
+
+def test_partial_checkpointing_gives_the_same_loss_and_gradients():
+    plain_loss, plain_grads = loss_and_grads(tiny_model())
+    model = tiny_model()
+    enable_gradient_checkpointing(model, 2)
+    loss, grads = loss_and_grads(model)
+    torch.testing.assert_close(loss, plain_loss, rtol=0, atol=1e-6)
+    for got, want in zip(grads, plain_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
