@@ -156,6 +156,10 @@ class PolicyLossInputs:
     """Frozen reference policy (KL in the loss; logged when given)."""
     entropy: Tensor | None = None
     """Per-token entropy of the current policy, with grad when entropy_coef > 0 (entropy_from_logits)."""
+    sequence_lengths: Tensor | None = None
+    """|y_i| (loss tokens of the whole sequence) at each position, when a row holds several sequences or a slice
+    of one (sequence parallelism): seq_mean_token_mean divides by it (see aggregate_loss). None: one sequence per
+    row, counted from loss_mask."""
 
 
 def compute_policy_loss(logprobs: Tensor, inputs: PolicyLossInputs, cfg: AlgorithmConfig,
@@ -227,7 +231,7 @@ def compute_policy_loss(logprobs: Tensor, inputs: PolicyLossInputs, cfg: Algorit
             "(entropy_from_logits(logits)); pass it or set algorithm.entropy_coef=0."
         )
 
-    loss = aggregate_loss(total, mask, cfg.aggregation, normalizer)
+    loss = aggregate_loss(total, mask, cfg.aggregation, normalizer, inputs.sequence_lengths)
     metrics["loss"] = float(loss.detach())
     metrics["num_tokens"] = float(mask.sum())
     metrics["num_sequences"] = float(mask.any(dim=1).sum())

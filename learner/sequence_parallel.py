@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from learner.batch import _scoring_head
+
 # --- groups -------------------------------------------------------------------------------------------------------
 
 
@@ -373,3 +375,24 @@ def sequence_parallel_logprobs(model: torch.nn.Module, shard: SequenceRow, tempe
     gradient of the whole row (so reduce with SUM over SP ranks, never the mean)."""
     hidden = sequence_parallel_hidden_states(model, shard)
     return score(hidden, model.get_output_embeddings(), shard.target_ids, temperature)
+
+
+def sequence_parallel_scores(model: torch.nn.Module, shard: SequenceRow, temperature: float,
+                             chunk_tokens: int) -> tuple[Tensor, Tensor]:
+    """(logprobs (B, S), entropy (B, S)) fp32 of this slice's response targets, 0 off `shard.loss_mask`, with grad
+    when the model has it. The LM head runs through learner/logprobs.py's chunked scorer on the slice's scored
+    positions only (the head module is still called, so ZeRO-3 gathers its weight), so no (S, V) logits tensor
+    exists; chunk_tokens 0 scores them all in one chunk. `model` is the HF model or a DeepSpeed engine around it;
+    every SP rank must call it together."""
+    module = getattr(model, "module", model)
+    mask = shard.loss_mask
+    flat = mask.reshape(-1).nonzero().squeeze(1)
+    targets = shard.target_ids[mask]
+    chunk = chunk_tokens if chunk_tokens > 0 else max(1, int(flat.numel()))
+    with _scoring_head(module, flat, targets, temperature, chunk):
+        hidden = sequence_parallel_hidden_states(module, shard)
+        scores = module.get_output_embeddings()(hidden)
+    # `hidden * 0` ties the outputs to the decoder even on a slice with nothing to score (all prompt, or a masked
+    # sample): its backward still runs the attention all-to-alls, which every rank of the SP group must join.
+    zeros = torch.zeros(mask.shape, dtype=torch.float32, device=scores.device) + hidden.sum().float() * 0
+    return zeros.masked_scatter(mask, scores[:, 0]), zeros.masked_scatter(mask, scores[:, 1])
