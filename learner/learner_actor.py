@@ -332,8 +332,10 @@ class LearnerRank:
         plan = plan_micro_batches(shard, cfg, num_micro_batches)
         chunk = cfg.learner.logits_chunk_tokens
         first = groups.sp_rank == 0
-        # DeepSpeed's batch check counts data-parallel groups under the SP mpu, not ranks.
-        self.engine.set_train_batch_size(len(plan) * groups.dp_size)
+        # What set_train_batch_size writes, counting data-parallel groups, not ranks. DeepSpeed 0.19's own call
+        # fails under a Ulysses mpu (its engine.dp_world_size is None there); the boundary is set explicitly below.
+        self.engine._config.train_batch_size = len(plan) * groups.dp_size
+        self.engine._config.gradient_accumulation_steps = len(plan)
         summed: dict[str, float] = {"learner/real_tokens": 0.0, "learner/processed_tokens": 0.0}
         self.engine.train()
         for k, idx in enumerate(plan):
