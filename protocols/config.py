@@ -250,8 +250,9 @@ class RunConfig(BaseModel):
                 f"ranks. Use mask_level=token or learner.sequence_parallel_size=1")
         if self.learner.zero_stage == 3:
             raise ValueError(
-                f"learner.zero_stage=3 with learner.sequence_parallel_size={sp} is untested here (ZeRO-3 gathers "
-                f"parameters inside the decoder called slice by slice); use learner.zero_stage=2")
+                f"learner.zero_stage=3 with learner.sequence_parallel_size={sp}: in a one-step check on CPU "
+                f"(gloo) ZeRO-3 under the Ulysses mpu reported a zero gradient norm and applied a wrong update. "
+                f"Use learner.zero_stage=2")
 
     @property
     def samples_per_step(self) -> int:
