@@ -86,7 +86,11 @@ def test_two_sp_ranks_match_one_rank(ray_cluster, tiny_models, preset):
 def test_two_data_parallel_groups_of_two_sp_ranks_match_one_rank(ray_cluster, tiny_models):
     path = tiny_models["tied"]
     common = ["learner.max_tokens_per_micro_batch=16", "learner.packing=true", "learner.logits_chunk_tokens=5"]
-    # Against 2 plain data-parallel ranks: the same split of samples over the 2 groups, the same micro-batches.
-    base = run_one_step(path, "grpo", ["learner.num_ranks=2", *common])
-    got = run_one_step(path, "grpo", ["learner.num_ranks=4", "learner.sequence_parallel_size=2", *common])
-    assert_same_step("grpo dp2 x sp2", got, base)
+    # with gradient checkpointing: the recomputed forward runs the attention all-to-alls again, on every rank
+    got = run_one_step(path, "grpo", ["learner.num_ranks=4", "learner.sequence_parallel_size=2",
+                                      "learner.gradient_checkpointing=true", *common])
+    # Against 2 plain data-parallel ranks (the same split of samples over the 2 groups, the same micro-batches),
+    # and against one rank (other micro-batches: each group plans its own).
+    for name, ranks in (("dp2", 2), ("one rank", 1)):
+        base = run_one_step(path, "grpo", [f"learner.num_ranks={ranks}", *common])
+        assert_same_step(f"grpo dp2 x sp2 vs {name}", got, base)
