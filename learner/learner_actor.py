@@ -30,6 +30,7 @@ from learner.sequence_parallel import (
     pack_row,
     per_sample_to_columns,
     response_values,
+    sequence_mean_over_group,
     sequence_parallel_scores,
     shard_row,
 )
@@ -361,6 +362,7 @@ class LearnerRank:
                 ref_logprobs=ref,
                 entropy=entropy,
                 sequence_lengths=per_sample_to_columns(piece, lengths),
+                sequence_mean=sequence_mean_over_group(piece, lengths, groups.sp_group),
             )
             loss, metrics = compute_policy_loss(logprobs, inputs, cfg.algorithm, normalizer)
             # A packed row is one "sequence" to compute_policy_loss; count samples with a loss token instead.

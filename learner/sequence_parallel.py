@@ -191,6 +191,43 @@ def gather_sequence(shard_values: Tensor, group: dist.ProcessGroup | None) -> Te
     return torch.cat(parts, dim=1)
 
 
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the group; every rank's output depends on every rank's input, so the backward sums the
+    gradients the same way."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        out = grad.contiguous().clone()
+        dist.all_reduce(out, group=ctx.group)
+        return out, None
+
+
+def sequence_mean_over_group(shard: SequenceRow, lengths: Tensor,
+                             group: dist.ProcessGroup | None) -> Callable[[Tensor], Tensor]:
+    """For whole-sequence quantities on a slice (GSPO's sequence ratio, sequence-level off-policy masks): a
+    function mapping per-token values (1, S), 0 off the loss mask, to the mean over each column's whole sample,
+    sum over every slice of the row (an all-reduce over the SP group) / lengths[i] (its loss tokens |y_i|, (N,)).
+    Differentiable; 0 on padding. Every SP rank must call it as often, in the same order."""
+    index = shard.sample_index[0].clamp(min=0)
+    real = shard.sample_index[0] >= 0
+
+    def mean(values: Tensor) -> Tensor:
+        zero = torch.zeros((), dtype=values.dtype, device=values.device)
+        local = torch.zeros(lengths.numel(), dtype=values.dtype, device=values.device).index_add(
+            0, index, torch.where(real, values[0], zero))
+        total = _AllReduceSum.apply(local, group)
+        return per_sample_to_columns(shard, total / lengths.to(values.dtype).clamp(min=1))
+
+    return mean
+
+
 # --- the all-to-all --------------------------------------------------------------------------------------------
 
 

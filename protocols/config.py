@@ -140,7 +140,7 @@ class LearnerConfig(BaseModel):
     split over num_ranks / sequence_parallel_size data-parallel groups. A group's micro-batch is one packed row
     (whatever `packing` says) of up to max_tokens_per_micro_batch tokens, each rank holding 1/size of it. The
     model's attention heads (and its KV heads, or sequence_parallel_size divided by them) must split evenly over
-    it; GSPO and sequence-level off-policy masks (whole-sequence ratios) are refused with it. 1 turns it off."""
+    it. ZeRO-2 only. 1 turns it off."""
 
     @model_validator(mode="after")
     def _check_sequence_parallel(self) -> "LearnerConfig":
@@ -235,19 +235,9 @@ class RunConfig(BaseModel):
         return self
 
     def _check_sequence_parallel_algorithm(self, sp: int) -> None:
-        """Quantities over a whole sequence would need the other SP ranks' tokens; refuse them with SP."""
-        algo = self.algorithm
-        if algo.policy_loss.type == "gspo":
-            raise ValueError(
-                f"algorithm.policy_loss.type=gspo with learner.sequence_parallel_size={sp}: GSPO's sequence ratio "
-                f"averages log-ratios over the whole response, which sequence parallelism splits over ranks. Use "
-                f"learner.sequence_parallel_size=1 or a token-level loss (ppo_clip, cispo, reinforce)")
-        off = algo.off_policy
-        if off.mask_level == "sequence" and (off.mask_low is not None or off.mask_high is not None):
-            raise ValueError(
-                f"algorithm.off_policy.mask_level=sequence with learner.sequence_parallel_size={sp}: the sequence "
-                f"mask averages behavior weights over the whole response, which sequence parallelism splits over "
-                f"ranks. Use mask_level=token or learner.sequence_parallel_size=1")
+        """What sequence parallelism does not run correctly. (Whole-sequence quantities, GSPO's ratio and
+        sequence-level off-policy masks, are summed over the SP group: learner.sequence_parallel
+        .sequence_mean_over_group.)"""
         if self.learner.zero_stage == 3:
             raise ValueError(
                 f"learner.zero_stage=3 with learner.sequence_parallel_size={sp}: in a one-step check on CPU "

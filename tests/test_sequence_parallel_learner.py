@@ -1,7 +1,7 @@
 """Sequence parallelism through LearnerGroup / LearnerRank on real DeepSpeed (gloo): the same global batch on
 2 ranks sharing each sample (sp 2), or 4 ranks (2 data-parallel groups x sp 2), gives the loss, metrics, log-probs
-and updated weights of one rank without SP, for token_mean (dapo) and seq_mean_token_mean with the KL in the loss
-(grpo, reference model on the SP slices too)."""
+and updated weights of one rank without SP, for token_mean (dapo), seq_mean_token_mean with the KL in the loss
+(grpo, reference model on the SP slices too) and GSPO with a sequence-level off-policy mask."""
 
 import pytest
 import ray
@@ -14,7 +14,8 @@ pytestmark = pytest.mark.slow
 
 # Summed over micro-batches, slices and ranks, then compared: per-token sums (clip_frac, kl, entropy, ratio, ...)
 # and the counts.
-COMPARED = ("loss", "pg_loss", "num_tokens", "num_sequences", "clip_frac", "ratio", "entropy", "kl")
+COMPARED = ("loss", "pg_loss", "num_tokens", "num_sequences", "clip_frac", "ratio", "entropy", "kl", "is_masked",
+            "is_weight")
 
 
 def run_one_step(model_path: str, preset: str, overrides: list[str]) -> tuple[dict, dict]:
@@ -66,15 +67,24 @@ def assert_same_step(name: str, got: tuple[dict, dict], want: tuple[dict, dict])
             torch.testing.assert_close(flat(out[kind]), flat(base_out[kind]), rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("preset", ["dapo", "grpo"])
+# GSPO's sequence ratio and the sequence-level off-policy mask need whole samples: summed over the SP group. The
+# band is widened from the preset's 3e-4 so that sequences are not all clipped (and all gradients zero).
+GSPO = ["algorithm.policy_loss.eps_low=0.5", "algorithm.policy_loss.eps_high=0.5",
+        "algorithm.off_policy.mask_level=sequence", "algorithm.off_policy.mask_low=0.7"]
+
+
+@pytest.mark.parametrize("preset", ["dapo", "grpo", "gspo"])
 def test_two_sp_ranks_match_one_rank(ray_cluster, tiny_models, preset):
     path = tiny_models["untied"]
     # One rank, the same packed micro-batches of at most 16 tokens and the same chunked LM head: all that differs
     # is that two ranks each hold half of every row (slices cut samples, some hold no response token at all).
     # (Against one padded micro-batch with full logits, Adam's sign noise on near-zero gradients reaches 3e-5,
     # padding and chunking alone: test_token_budget_learner compares those paths.)
-    common = ["learner.max_tokens_per_micro_batch=16", "learner.packing=true", "learner.logits_chunk_tokens=5"]
+    common = ["learner.max_tokens_per_micro_batch=16", "learner.packing=true", "learner.logits_chunk_tokens=5",
+              *(GSPO if preset == "gspo" else [])]
     base = run_one_step(path, preset, common)
+    if preset == "gspo":  # the sequence mask drops some samples' tokens, not all
+        assert 0 < base[0]["is_masked"] < base[0]["num_tokens"], base[0]
     sp = run_one_step(path, preset, ["learner.num_ranks=2", "learner.sequence_parallel_size=2", *common])
     assert sp[0]["learner/micro_batches_max"] == base[0]["learner/micro_batches_max"] > 1
     # each slice runs half of each row: the processed positions add up to the rows, padded to a multiple of 2
