@@ -426,10 +426,17 @@ def sequence_parallel_scores(model: torch.nn.Module, shard: SequenceRow, tempera
     flat = mask.reshape(-1).nonzero().squeeze(1)
     targets = shard.target_ids[mask]
     chunk = chunk_tokens if chunk_tokens > 0 else max(1, int(flat.numel()))
+    head = module.get_output_embeddings()
     with _scoring_head(module, flat, targets, temperature, chunk):
-        hidden = sequence_parallel_hidden_states(module, shard)
-        scores = module.get_output_embeddings()(hidden)
-    # `hidden * 0` ties the outputs to the decoder even on a slice with nothing to score (all prompt, or a masked
-    # sample): its backward still runs the attention all-to-alls, which every rank of the SP group must join.
-    zeros = torch.zeros(mask.shape, dtype=torch.float32, device=scores.device) + hidden.sum().float() * 0
+        chunked = head.forward
+
+        def forward(hidden: Tensor) -> Tensor:
+            # `hidden * 0` ties the scores to the decoder even on a slice with nothing to score (all prompt, or a
+            # masked sample): its backward still runs the attention all-to-alls, which every SP rank must join.
+            return chunked(hidden) + hidden.sum().float() * 0
+
+        head.forward = forward
+        # The whole model (the engine itself when given one), so DeepSpeed's forward hooks run as they do without SP.
+        scores = model(input_ids=shard.input_ids, position_ids=shard.position_ids, use_cache=False).logits
+    zeros = torch.zeros(mask.shape, dtype=torch.float32, device=scores.device)
     return zeros.masked_scatter(mask, scores[:, 0]), zeros.masked_scatter(mask, scores[:, 1])

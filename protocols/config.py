@@ -241,8 +241,9 @@ class RunConfig(BaseModel):
         if self.learner.zero_stage == 3:
             raise ValueError(
                 f"learner.zero_stage=3 with learner.sequence_parallel_size={sp}: in a one-step check on CPU "
-                f"(gloo) ZeRO-3 under the Ulysses mpu reported a zero gradient norm and applied a wrong update. "
-                f"Use learner.zero_stage=2")
+                f"(gloo) ZeRO-3 under the Ulysses mpu matched one rank in loss, log-probs and weights but reported "
+                f"half the gradient norm, so learner.max_grad_norm would clip at the wrong norm. Use "
+                f"learner.zero_stage=2")
 
     @property
     def samples_per_step(self) -> int:
