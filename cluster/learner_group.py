@@ -2,7 +2,9 @@
 
 Every call fans out to all ranks at once (DeepSpeed collectives need every rank), with the global batch split
 into shards of about equal token counts (learner/micro_batches.py) and every rank told the same number of
-micro-batches. Rank 0 returns what only it holds (published weights, the saved model).
+micro-batches. Rank 0 returns what only it holds (published weights, the saved model). With
+learner.sequence_parallel_size = sp > 1 the batch is split over the num_ranks / sp data-parallel groups: ranks
+r of one group (r // sp equal) get the same shard, and scores come back from the group's first rank.
 """
 
 import socket
@@ -29,9 +31,11 @@ def _rendezvous_address(_rank0, all_on_one_node: bool) -> tuple[str, int]:
 
 
 def balanced_shards(samples: dict[str, list], cfg: RunConfig, num_ranks: int) -> tuple[list[list[int]], list[dict], int]:
-    """(sample indices per rank, the per-rank shards, the micro-batch count every rank runs). Ranks get about
-    equal token loads; with sample-count micro-batches they also get equal sample counts."""
-    parts = plan_ranks(sample_tokens(samples), num_ranks, cfg.learner.max_tokens_per_micro_batch)
+    """(sample indices per data-parallel group, the per-group shards, the micro-batch count every rank runs).
+    A group is sequence_parallel_size ranks (one rank without SP). Groups get about equal token loads; with
+    sample-count micro-batches they also get equal sample counts."""
+    num_groups = num_ranks // cfg.learner.sequence_parallel_size
+    parts = plan_ranks(sample_tokens(samples), num_groups, cfg.learner.max_tokens_per_micro_batch)
     shards = [{k: [v[i] for i in idx] for k, v in samples.items()} for idx in parts]
     count = max(len(plan_micro_batches(shard, cfg, None)) for shard in shards)
     return parts, shards, count
@@ -61,9 +65,19 @@ class LearnerGroup:
         master, port = ray.get(self.ranks[0].__ray_call__.remote(_rendezvous_address, one_node))
         ray.get([rank.setup.remote(master, port) for rank in self.ranks])
 
+    def _group_shards(self, shards: list[dict]) -> list[tuple]:
+        """(rank, its shard) pairs: rank r gets its data-parallel group's shard r // sequence_parallel_size."""
+        sp = self.cfg.learner.sequence_parallel_size
+        return [(rank, shards[r // sp]) for r, rank in enumerate(self.ranks)]
+
+    def _first_of_groups(self, results: list) -> list:
+        """One result per data-parallel group (its SP ranks return the same rows)."""
+        return results[:: self.cfg.learner.sequence_parallel_size]
+
     def train_step(self, samples: dict[str, list], normalizer: LossNormalizer) -> dict[str, float]:
         _, shards, count = balanced_shards(samples, self.cfg, len(self.ranks))
-        results = ray.get([rank.train_step.remote(s, normalizer, count) for rank, s in zip(self.ranks, shards)])
+        # Per-token metrics add up over SP slices; the ranks count per-sample ones on SP rank 0 only.
+        results = ray.get([rank.train_step.remote(s, normalizer, count) for rank, s in self._group_shards(shards)])
         summed: dict[str, float] = {}
         for metrics in results:
             for key, value in metrics.items():
@@ -74,12 +88,13 @@ class LearnerGroup:
 
     def ref_logprobs(self, samples: dict[str, list]) -> list[list[float]]:
         parts, shards, count = balanced_shards(samples, self.cfg, len(self.ranks))
-        return merge_rows(parts, ray.get([rank.ref_logprobs.remote(s, count) for rank, s in zip(self.ranks, shards)]))
+        return merge_rows(parts, self._first_of_groups(
+            ray.get([rank.ref_logprobs.remote(s, count) for rank, s in self._group_shards(shards)])))
 
     def policy_logprobs(self, samples: dict[str, list]) -> list[list[float]]:
         parts, shards, count = balanced_shards(samples, self.cfg, len(self.ranks))
-        return merge_rows(parts, ray.get([rank.policy_logprobs.remote(s, count)
-                                          for rank, s in zip(self.ranks, shards)]))
+        return merge_rows(parts, self._first_of_groups(
+            ray.get([rank.policy_logprobs.remote(s, count) for rank, s in self._group_shards(shards)])))
 
     def publish_weights(self, version: int = 0) -> dict:
         return ray.get([rank.publish_weights.remote(version) for rank in self.ranks])[0]

@@ -36,20 +36,29 @@ def count_normalizer(loss_mask: Tensor, max_response_tokens: int) -> LossNormali
     )
 
 
-def aggregate_loss(per_token_loss: Tensor, loss_mask: Tensor, mode: str, normalizer: LossNormalizer) -> Tensor:
+def aggregate_loss(per_token_loss: Tensor, loss_mask: Tensor, mode: str, normalizer: LossNormalizer,
+                   sequence_lengths: Tensor | None = None) -> Tensor:
     """Micro-batch share of the global loss from per-token losses (B, T):
     token_mean (DAPO, Yu et al. 2025, eq. 8):              sum_{i,t} l_it / global_num_tokens
     seq_mean_token_mean (GRPO, Shao et al. 2024, eq. 3):   sum_i (sum_t l_it / |y_i|) / global_num_sequences
     seq_mean_token_sum_norm (Dr.GRPO, Liu et al. 2025):
                                   sum_i (sum_t l_it / max_response_tokens) / global_num_sequences
     where i runs over this micro-batch's sequences and |y_i| over its loss tokens. Masked positions are selected
-    out (not multiplied), so NaN or huge values there never reach the loss or the gradient."""
+    out (not multiplied), so NaN or huge values there never reach the loss or the gradient.
+
+    sequence_lengths (B, T): |y_i| of the whole sequence each position belongs to, for rows that hold several
+    sequences or a slice of one (sequence parallelism), where a row's mask cannot count |y_i|. seq_mean_token_mean
+    then sums l_it / |y_i| per token, which adds up over slices to the same share; the other modes are sums over
+    tokens divided by global constants, exact on any slice as they are."""
     mask = loss_mask.bool()
     masked = torch.where(mask, per_token_loss, torch.zeros((), dtype=per_token_loss.dtype,
                                                            device=per_token_loss.device))
     if mode == "token_mean":
         return masked.sum() / max(normalizer.global_num_tokens, 1.0)
     if mode == "seq_mean_token_mean":
+        if sequence_lengths is not None:
+            per_token = torch.where(mask, masked / sequence_lengths.to(masked.dtype).clamp(min=1), 0.0)
+            return per_token.sum() / max(normalizer.global_num_sequences, 1.0)
         per_seq = masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1)
         return per_seq.sum() / max(normalizer.global_num_sequences, 1.0)
     if mode == "seq_mean_token_sum_norm":

@@ -7,6 +7,10 @@ optimizer step. Loss values are shares of the global loss (global normalizers), 
 DeepSpeed averages gradients over ranks: the summed gradient is then the same for 1 or N ranks, whatever the
 split. Weights leave through the transport that `weight_sync.type` names (learner/weight_transport.py): the Ray
 object store, or a broadcast to the engines.
+
+With learner.sequence_parallel_size = sp > 1, each group of sp consecutive ranks shares one shard: every
+micro-batch is one packed row, each rank runs a 1/sp slice of it (Ulysses attention, learner/sequence_parallel.py)
+and the loss scale is the number of groups (DeepSpeed sums gradients over the SP ranks and averages over groups).
 """
 
 import os
@@ -21,6 +25,15 @@ from learner.objective import (
     PolicyLossInputs,
     compute_policy_loss,
     needs_ref_logprobs,
+)
+from learner.sequence_parallel import (
+    gather_sequence,
+    pack_row,
+    per_sample_to_columns,
+    response_values,
+    sequence_mean_over_group,
+    sequence_parallel_scores,
+    shard_row,
 )
 from learner.weight_transport import CollectiveSender, HostBuffers, host_arrays, packed_num_bytes
 from learner.weight_wire import BucketLayout, WeightMeta, open_weight_group
@@ -43,8 +56,9 @@ def plan_micro_batches(shard: dict, cfg: RunConfig, count: int | None) -> list[l
     for all ranks; empty lists pad a rank that has fewer samples than micro-batches)."""
     budget = cfg.learner.max_tokens_per_micro_batch
     if budget > 0:
+        # Sequence parallel rows are always packed (learner.sequence_parallel.pack_row).
         plan = token_budget_micro_batches(sample_tokens(shard), budget, count=count or 0,
-                                          padded=not cfg.learner.packing)
+                                          padded=not (cfg.learner.packing or cfg.learner.sequence_parallel_size > 1))
     else:
         plan = sample_count_micro_batches(len(shard["prompt_ids"]), cfg.learner.micro_batch_size)
     if count is not None and len(plan) > count:
@@ -116,6 +130,8 @@ class LearnerRank:
         self.engine = None
         self.host_buffers = HostBuffers(pin_memory=self.use_cuda)
         self.weight_sender: CollectiveSender | None = None
+        self.sp = cfg.learner.sequence_parallel_size
+        self.groups = None  # SequenceParallelGroups when sp > 1
 
     def setup(self, master_addr: str, master_port: int) -> int:
         """Join the process group and build the DeepSpeed engine. All ranks must call it together."""
@@ -131,17 +147,26 @@ class LearnerRank:
                                    init_method=f"tcp://{master_addr}:{master_port}")
         torch.manual_seed(cfg.train.seed)
         dtype = DTYPES[cfg.model.dtype]
-        attn = attention_implementation(self.use_cuda, cfg.learner.packing, dtype)
+        attn = attention_implementation(self.use_cuda, cfg.learner.packing or self.sp > 1, dtype)
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype, attn_implementation=attn,
                                                      trust_remote_code=cfg.model.trust_remote_code)
         if cfg.learner.gradient_checkpointing:
             enable_gradient_checkpointing(model, cfg.learner.uncheckpointed_layers)
+        mpu = None
+        if self.sp > 1:
+            from learner.sequence_parallel_rank import enable_sequence_parallel
+
+            self.groups, mpu = enable_sequence_parallel(model, self.sp)
         self.ref_model = None
         if needs_ref_logprobs(cfg.algorithm):
             # Frozen initial policy for the KL term. A separate reference worker group replaces this for big models.
             self.ref_model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype,
                                                                   attn_implementation=attn).eval()
             self.ref_model.requires_grad_(False)
+            if self.sp > 1:
+                from learner.sequence_parallel_rank import enable_sequence_parallel
+
+                enable_sequence_parallel(self.ref_model, self.sp, groups=self.groups)
             # DeepSpeed moves the policy to the rank's device; the frozen copy must follow it, or the first
             # KL-in-the-loss step fails on a GPU with tensors on two devices.
             if self.use_cuda:
@@ -149,7 +174,9 @@ class LearnerRank:
         self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         self.hf_config = model.config
-        per_rank = cfg.samples_per_step // self.world_size
+        # Samples per data-parallel group (the SP ranks of a group share theirs); only DeepSpeed's initial batch
+        # bookkeeping reads it, train_step sets the real count every step.
+        per_rank = -(-cfg.samples_per_step // (self.world_size // self.sp))
         self.num_micro = len(micro_batches(per_rank, cfg.learner.micro_batch_size))
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learner.lr, betas=cfg.learner.betas,
                                       weight_decay=cfg.learner.weight_decay)
@@ -167,7 +194,7 @@ class LearnerRank:
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
         }
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config, mpu=mpu)
         return self.num_micro
 
     # --- scoring ---------------------------------------------------------------------------------------------
@@ -191,9 +218,32 @@ class LearnerRank:
         batch = make([shard["prompt_ids"][i] for i in rows], [shard["response_ids"][i] for i in rows], self.pad_id)
         return self._to(batch), rows
 
+    def _sp_slice(self, shard: dict, idx: list[int], per_token: tuple[str, ...] = ()):
+        """(the whole packed row, this rank's slice of it on the device, the sample indices in the row) for the
+        samples `idx` (an empty list: this rank's shortest sample, masked by the caller, as in _collate)."""
+        rows = idx or [min(range(len(shard["prompt_ids"])), key=lambda i: len(shard["prompt_ids"][i])
+                           + len(shard["response_ids"][i]))]
+        row = pack_row([shard["prompt_ids"][i] for i in rows], [shard["response_ids"][i] for i in rows], self.pad_id,
+                       {name: [shard[name][i] for i in rows] for name in per_token}, multiple_of=self.sp)
+        piece = shard_row(row, self.groups.sp_rank, self.sp)
+        dev = self._device()
+        for name in ("input_ids", "position_ids", "target_ids", "loss_mask", "sample_index"):
+            setattr(piece, name, getattr(piece, name).to(dev))
+        piece.per_token = {name: value.to(dev) for name, value in piece.per_token.items()}
+        return row, piece, rows
+
     @torch.no_grad()
     def _score_shard(self, model, shard: dict, count: int | None) -> list[list[float]]:
         out: list[list[float] | None] = [None] * len(shard["prompt_ids"])
+        if self.sp > 1:
+            for idx in plan_micro_batches(shard, self.cfg, count):
+                row, piece, _ = self._sp_slice(shard, idx)
+                lps, _ = sequence_parallel_scores(model, piece, self.cfg.rollout.temperature,
+                                                  self.cfg.learner.logits_chunk_tokens)
+                whole = gather_sequence(lps, self.groups.sp_group).cpu()
+                for values, i in zip(response_values(whole, row), idx):
+                    out[i] = values
+            return out
         for idx in plan_micro_batches(shard, self.cfg, count):
             batch, rows = self._collate(shard, idx)
             lps, _ = score_responses(model, batch, self.cfg.rollout.temperature, self.cfg.learner.logits_chunk_tokens)
@@ -222,6 +272,8 @@ class LearnerRank:
         passes every rank runs this step (the driver's count; None: as many as this rank needs, fine for one
         rank). Returns summed metrics (see finalize_metrics), plus learner/real_tokens and
         learner/processed_tokens (padding included), learner/micro_batches_max and learner/peak_gib_max."""
+        if self.sp > 1:
+            return self._train_step_sequence_parallel(shard, normalizer, num_micro_batches)
         cfg = self.cfg
         start = time.perf_counter()
         dev = self._device()
@@ -270,6 +322,74 @@ class LearnerRank:
                 value = float(value)
                 summed[key] = max(summed.get(key, value), value) if key.endswith("_max") else summed.get(key, 0.0) + value
             del logprobs, entropy, inputs, loss, batch
+        grad_norm = self.engine.get_global_grad_norm()
+        summed["grad_norm_max"] = float(grad_norm) if grad_norm is not None else 0.0
+        summed["learner_seconds_max"] = time.perf_counter() - start
+        summed["learner/micro_batches_max"] = float(len(plan))
+        summed["learner/peak_gib_max"] = peak_memory_gib(dev)
+        return summed
+
+    def _train_step_sequence_parallel(self, shard: dict, normalizer: LossNormalizer,
+                                      num_micro_batches: int | None) -> dict[str, float]:
+        """train_step when sp ranks share each sample: the same plan on every rank of the group, one packed row per
+        micro-batch, this rank's 1/sp slice of it. Per-token metrics add up over the slices; what counts samples
+        (num_sequences, learner/real_tokens) is counted by SP rank 0 only, so the group's sum counts each once."""
+        cfg = self.cfg
+        groups = self.groups
+        start = time.perf_counter()
+        dev = self._device()
+        reset_peak_memory(dev)
+        tokens = sample_tokens(shard)
+        check_fits_context(tokens, getattr(self.hf_config, "max_position_embeddings", None))
+        plan = plan_micro_batches(shard, cfg, num_micro_batches)
+        chunk = cfg.learner.logits_chunk_tokens
+        first = groups.sp_rank == 0
+        # What set_train_batch_size writes, counting data-parallel groups, not ranks. DeepSpeed 0.19's own call
+        # fails under a Ulysses mpu (its engine.dp_world_size is None there); the boundary is set explicitly below.
+        self.engine._config.train_batch_size = len(plan) * groups.dp_size
+        self.engine._config.gradient_accumulation_steps = len(plan)
+        summed: dict[str, float] = {"learner/real_tokens": 0.0, "learner/processed_tokens": 0.0}
+        self.engine.train()
+        for k, idx in enumerate(plan):
+            row, piece, rows = self._sp_slice(shard, idx, ("behavior_logprobs", "advantages"))
+            kept = [bool(idx) and bool(shard["sample_mask"][i]) for i in rows]
+            sample_mask = torch.tensor(kept, dtype=torch.bool, device=dev)
+            loss_mask = piece.loss_mask & per_sample_to_columns(piece, sample_mask)
+            # |y_i| of whole samples: a slice may hold part of one (seq_mean_token_mean divides by it).
+            lengths = torch.tensor([float(len(shard["response_ids"][i])) if keep else 0.0
+                                    for i, keep in zip(rows, kept)], device=dev)
+            logprobs, entropy = sequence_parallel_scores(self.engine, piece, cfg.rollout.temperature, chunk)
+            if cfg.algorithm.entropy_coef <= 0:
+                entropy = entropy.detach()
+            ref = None
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref, _ = sequence_parallel_scores(self.ref_model, piece, cfg.rollout.temperature, chunk)
+            inputs = PolicyLossInputs(
+                behavior_logprobs=piece.per_token["behavior_logprobs"],
+                advantages=piece.per_token["advantages"],
+                loss_mask=loss_mask,
+                proximal_logprobs=logprobs.detach(),
+                ref_logprobs=ref,
+                entropy=entropy,
+                sequence_lengths=per_sample_to_columns(piece, lengths),
+                sequence_mean=sequence_mean_over_group(piece, lengths, groups.sp_group),
+            )
+            loss, metrics = compute_policy_loss(logprobs, inputs, cfg.algorithm, normalizer)
+            # A packed row is one "sequence" to compute_policy_loss; count samples with a loss token instead.
+            metrics["num_sequences"] = float(sum(keep and len(shard["response_ids"][i]) > 0
+                                                 for i, keep in zip(rows, kept))) if first else 0.0
+            self.engine.set_gradient_accumulation_boundary(k == len(plan) - 1)
+            # DeepSpeed sums gradients over the SP ranks and divides by the dp size: scale the share by dp.
+            self.engine.backward(loss * groups.dp_size, scale_wrt_gas=False)
+            self.engine.step()
+            if first:
+                summed["learner/real_tokens"] += float(sum(tokens[i] for i in idx))
+            summed["learner/processed_tokens"] += float(piece.input_ids.numel())
+            for key, value in metrics.items():
+                value = float(value)
+                summed[key] = max(summed.get(key, value), value) if key.endswith("_max") else summed.get(key, 0.0) + value
+            del logprobs, entropy, inputs, loss, piece, row
         grad_norm = self.engine.get_global_grad_norm()
         summed["grad_norm_max"] = float(grad_norm) if grad_norm is not None else 0.0
         summed["learner_seconds_max"] = time.perf_counter() - start

@@ -5,6 +5,7 @@ Driver side, once per global batch: apply_reward_shaping -> compute_advantages. 
 compute_policy_loss (its losses and metric sums add up across micro-batches and ranks) -> finalize_metrics.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -156,6 +157,14 @@ class PolicyLossInputs:
     """Frozen reference policy (KL in the loss; logged when given)."""
     entropy: Tensor | None = None
     """Per-token entropy of the current policy, with grad when entropy_coef > 0 (entropy_from_logits)."""
+    sequence_mean: Callable[[Tensor], Tensor] | None = None
+    """With sequence_lengths: maps per-token values (B, T), 0 off-mask, to the mean over each position's whole
+    sequence (every slice of it, e.g. an all-reduce over the SP group), differentiable. GSPO's sequence ratio
+    and sequence-level off-policy masks use it. None: a row's mean over its own mask."""
+    sequence_lengths: Tensor | None = None
+    """|y_i| (loss tokens of the whole sequence) at each position, when a row holds several sequences or a slice
+    of one (sequence parallelism): seq_mean_token_mean divides by it (see aggregate_loss). None: one sequence per
+    row, counted from loss_mask."""
 
 
 def compute_policy_loss(logprobs: Tensor, inputs: PolicyLossInputs, cfg: AlgorithmConfig,
@@ -182,16 +191,19 @@ def compute_policy_loss(logprobs: Tensor, inputs: PolicyLossInputs, cfg: Algorit
             )
         old = torch.where(mask, inputs.proximal_logprobs.detach().to(lp.dtype), 0.0)
         weights, keep, metrics = behavior_weights(old - mu, mask, off.tis_cap, off.mask_low, off.mask_high,
-                                                  off.mask_level, truncate=True)
+                                                  off.mask_level, truncate=True, sequence_mean=inputs.sequence_mean)
     else:  # bypass: mu is the old policy; the loss's own ratio is the IS weight, except for REINFORCE
         old = mu
         is_reinforce = pl.type == "reinforce"
         weights, keep, metrics = behavior_weights(lp.detach() - mu, mask, off.tis_cap, off.mask_low,
-                                                  off.mask_high, off.mask_level, truncate=is_reinforce)
+                                                  off.mask_high, off.mask_level, truncate=is_reinforce,
+                                                  sequence_mean=inputs.sequence_mean)
         if not is_reinforce:
             weights = keep.to(lp.dtype)
 
     kwargs = {k: v for k, v in pl.model_dump().items() if k != "type"}
+    if pl.type == "gspo" and inputs.sequence_mean is not None:
+        kwargs["sequence_mean"] = inputs.sequence_mean
     pg, pg_metrics = POLICY_LOSSES[pl.type](lp, old, adv, mask, **kwargs)
     metrics.update(pg_metrics)
     pg = pg * weights.to(pg.dtype)
@@ -227,7 +239,7 @@ def compute_policy_loss(logprobs: Tensor, inputs: PolicyLossInputs, cfg: Algorit
             "(entropy_from_logits(logits)); pass it or set algorithm.entropy_coef=0."
         )
 
-    loss = aggregate_loss(total, mask, cfg.aggregation, normalizer)
+    loss = aggregate_loss(total, mask, cfg.aggregation, normalizer, inputs.sequence_lengths)
     metrics["loss"] = float(loss.detach())
     metrics["num_tokens"] = float(mask.sum())
     metrics["num_sequences"] = float(mask.any(dim=1).sum())

@@ -4,6 +4,8 @@ Trajectories carry mu = behavior_logprobs recorded by vLLM (possibly several pol
 bit-identical to the learner's numerics). See `behavior_weights` for the two modes and ALGORITHMS.md for defaults.
 """
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -12,13 +14,15 @@ _LOG_W_CLAMP = 20.0
 
 def behavior_weights(log_weights: Tensor, loss_mask: Tensor, tis_cap: float | None = None,
                      mask_low: float | None = None, mask_high: float | None = None,
-                     mask_level: str = "token", truncate: bool = True) -> tuple[Tensor, Tensor, dict[str, float]]:
+                     mask_level: str = "token", truncate: bool = True,
+                     sequence_mean: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor, dict[str, float]]:
     """Importance weights w = exp(log_weights) per token, (B, T), where log_weights = log pi_prox - log mu
     (decoupled PPO, Fu et al. 2025, AReaL, arXiv 2505.24298, eq. 5) or log pi_theta - log mu detached (bypass).
 
     Truncation (TIS, Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training"):
     w <- min(w, tis_cap), applied only if `truncate`. Masking: tokens whose w leaves [mask_low, mask_high] are dropped
-    (mask_level="token"), or whole sequences whose geometric-mean weight exp(mean_t log w) leaves it ("sequence").
+    (mask_level="token"), or whole sequences whose geometric-mean weight exp(mean_t log w) leaves it ("sequence";
+    `sequence_mean` takes that mean over whole sequences when a row holds several or a slice of one).
 
     Returns (weights (B, T) detached, 0 where dropped or off-mask; keep (B, T) bool, loss_mask minus the dropped
     tokens; metric sums over loss tokens: is_weight, is_weight_sq (raw w, for ESS = (sum w)^2 / (N sum w^2)),
@@ -30,7 +34,10 @@ def behavior_weights(log_weights: Tensor, loss_mask: Tensor, tis_cap: float | No
     keep = mask.clone()
     if mask_low is not None or mask_high is not None:
         if mask_level == "sequence":
-            seq_w = torch.exp(log_w.sum(dim=1) / mask.sum(dim=1).clamp(min=1))[:, None].expand_as(w)
+            if sequence_mean is None:
+                seq_w = torch.exp(log_w.sum(dim=1) / mask.sum(dim=1).clamp(min=1))[:, None].expand_as(w)
+            else:
+                seq_w = torch.exp(sequence_mean(log_w)).expand_as(w)
         elif mask_level == "token":
             seq_w = w
         else:

@@ -5,6 +5,8 @@ Each takes (B, T) tensors whose masked positions are already finite (objective.p
 are applied by the caller. `old_logprobs` is the proximal policy (decoupled mode) or mu (bypass mode).
 """
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -66,15 +68,23 @@ def sequence_log_ratio(logprobs: Tensor, old_logprobs: Tensor, loss_mask: Tensor
 
 
 def gspo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor,
-              eps_low: float = 3e-4, eps_high: float = 4e-4) -> tuple[Tensor, dict[str, float]]:
+              eps_low: float = 3e-4, eps_high: float = 4e-4,
+              sequence_mean: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, dict[str, float]]:
     """GSPO (Zheng et al. 2025, arXiv 2507.18071, eq. 5-7): sequence ratio
         s_i = exp(1/|y_i| sum_t (logprobs - old_logprobs)),   loss = -min(s_i A, clip(s_i, 1 - eps_low, 1 + eps_high) A)
     computed per sequence and written on each of its loss tokens (A is per token, constant within a sequence for
     outcome rewards). With seq_mean_token_mean aggregation this is the paper's objective exactly; a clipped sequence
-    gets no gradient on any of its tokens. Clip metrics count tokens of clipped sequences."""
+    gets no gradient on any of its tokens. Clip metrics count tokens of clipped sequences.
+
+    sequence_mean: for rows holding several sequences or a slice of one (sequence parallelism), maps per-token
+    values (B, T), 0 off-mask, to the mean over each position's whole sequence (differentiable; see
+    objective.PolicyLossInputs.sequence_mean). None: each row is one sequence."""
     mask = loss_mask.bool()
-    seq_lr = sequence_log_ratio(logprobs, old_logprobs, mask).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    s = torch.exp(seq_lr)[:, None].expand_as(logprobs)
+    if sequence_mean is None:
+        seq_lr = sequence_log_ratio(logprobs, old_logprobs, mask)[:, None]
+    else:
+        seq_lr = sequence_mean(torch.where(mask, logprobs - old_logprobs, torch.zeros_like(logprobs)))
+    s = torch.exp(seq_lr.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)).expand_as(logprobs)
     surr = s * advantages
     surr_clipped = s.clamp(1.0 - eps_low, 1.0 + eps_high) * advantages
     loss = -torch.minimum(surr, surr_clipped)

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from learner.batch import _scoring_head
+
 # --- groups -------------------------------------------------------------------------------------------------------
 
 
@@ -187,6 +189,43 @@ def gather_sequence(shard_values: Tensor, group: dist.ProcessGroup | None) -> Te
     parts = [torch.empty_like(shard_values) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, shard_values.contiguous(), group=group)
     return torch.cat(parts, dim=1)
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the group; every rank's output depends on every rank's input, so the backward sums the
+    gradients the same way."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        out = grad.contiguous().clone()
+        dist.all_reduce(out, group=ctx.group)
+        return out, None
+
+
+def sequence_mean_over_group(shard: SequenceRow, lengths: Tensor,
+                             group: dist.ProcessGroup | None) -> Callable[[Tensor], Tensor]:
+    """For whole-sequence quantities on a slice (GSPO's sequence ratio, sequence-level off-policy masks): a
+    function mapping per-token values (1, S), 0 off the loss mask, to the mean over each column's whole sample,
+    sum over every slice of the row (an all-reduce over the SP group) / lengths[i] (its loss tokens |y_i|, (N,)).
+    Differentiable; 0 on padding. Every SP rank must call it as often, in the same order."""
+    index = shard.sample_index[0].clamp(min=0)
+    real = shard.sample_index[0] >= 0
+
+    def mean(values: Tensor) -> Tensor:
+        zero = torch.zeros((), dtype=values.dtype, device=values.device)
+        local = torch.zeros(lengths.numel(), dtype=values.dtype, device=values.device).index_add(
+            0, index, torch.where(real, values[0], zero))
+        total = _AllReduceSum.apply(local, group)
+        return per_sample_to_columns(shard, total / lengths.to(values.dtype).clamp(min=1))
+
+    return mean
 
 
 # --- the all-to-all --------------------------------------------------------------------------------------------
@@ -373,3 +412,31 @@ def sequence_parallel_logprobs(model: torch.nn.Module, shard: SequenceRow, tempe
     gradient of the whole row (so reduce with SUM over SP ranks, never the mean)."""
     hidden = sequence_parallel_hidden_states(model, shard)
     return score(hidden, model.get_output_embeddings(), shard.target_ids, temperature)
+
+
+def sequence_parallel_scores(model: torch.nn.Module, shard: SequenceRow, temperature: float,
+                             chunk_tokens: int) -> tuple[Tensor, Tensor]:
+    """(logprobs (B, S), entropy (B, S)) fp32 of this slice's response targets, 0 off `shard.loss_mask`, with grad
+    when the model has it. The LM head runs through learner/logprobs.py's chunked scorer on the slice's scored
+    positions only (the head module is still called, so ZeRO-3 gathers its weight), so no (S, V) logits tensor
+    exists; chunk_tokens 0 scores them all in one chunk. `model` is the HF model or a DeepSpeed engine around it;
+    every SP rank must call it together."""
+    module = getattr(model, "module", model)
+    mask = shard.loss_mask
+    flat = mask.reshape(-1).nonzero().squeeze(1)
+    targets = shard.target_ids[mask]
+    chunk = chunk_tokens if chunk_tokens > 0 else max(1, int(flat.numel()))
+    head = module.get_output_embeddings()
+    with _scoring_head(module, flat, targets, temperature, chunk):
+        chunked = head.forward
+
+        def forward(hidden: Tensor) -> Tensor:
+            # `hidden * 0` ties the scores to the decoder even on a slice with nothing to score (all prompt, or a
+            # masked sample): its backward still runs the attention all-to-alls, which every SP rank must join.
+            return chunked(hidden) + hidden.sum().float() * 0
+
+        head.forward = forward
+        # The whole model (the engine itself when given one), so DeepSpeed's forward hooks run as they do without SP.
+        scores = model(input_ids=shard.input_ids, position_ids=shard.position_ids, use_cache=False).logits
+    zeros = torch.zeros(mask.shape, dtype=torch.float32, device=scores.device)
+    return zeros.masked_scatter(mask, scores[:, 0]), zeros.masked_scatter(mask, scores[:, 1])

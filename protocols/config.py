@@ -192,9 +192,11 @@ class LearnerConfig(BaseModel):
     sequence_parallel_size: int = Field(1, ge=1)
     """Ranks that share one sample, each holding a 1/sequence_parallel_size slice of its tokens (Ulysses sequence
     parallelism, as in DeepSpeed's ALST): attention swaps sequence slices for head slices with an all-to-all.
-    Raise it when one response no longer fits on one device. num_ranks must be a multiple of it; the model's
-    attention heads (and its KV heads, or sequence_parallel_size divided by them) must split evenly over it.
-    1 turns it off."""
+    Raise it when one response no longer fits on one device. num_ranks must be a multiple of it: the batch is
+    split over num_ranks / sequence_parallel_size data-parallel groups. A group's micro-batch is one packed row
+    (whatever `packing` says) of up to max_tokens_per_micro_batch tokens, each rank holding 1/size of it. The
+    model's attention heads (and its KV heads, or sequence_parallel_size divided by them) must split evenly over
+    it. ZeRO-2 only. 1 turns it off."""
 
     @model_validator(mode="after")
     def _check_sequence_parallel(self) -> "LearnerConfig":
@@ -304,15 +306,39 @@ class RunConfig(BaseModel):
     @model_validator(mode="after")
     def _check_batch_split(self) -> "RunConfig":
         samples = self.learner.prompts_per_step * self.rollout.samples_per_prompt
-        if samples % self.learner.num_ranks:
+        sp = self.learner.sequence_parallel_size
+        groups = self.learner.num_ranks // sp
+        # The batch is split over data-parallel groups (the SP ranks of a group share samples). Sample-count
+        # micro-batches need equal shares; token-budget ones only one sample per group.
+        what = f"learner.num_ranks={self.learner.num_ranks} / learner.sequence_parallel_size={sp} = {groups} " \
+               f"data-parallel groups" if sp > 1 else f"learner.num_ranks={self.learner.num_ranks}"
+        if self.learner.max_tokens_per_micro_batch == 0 and samples % groups:
             raise ValueError(
                 f"learner.prompts_per_step * rollout.samples_per_prompt = {samples} samples do not split evenly "
-                f"over learner.num_ranks={self.learner.num_ranks}; choose prompts_per_step so the product is a "
-                f"multiple of num_ranks"
+                f"over {what}; choose prompts_per_step so the product is a multiple of {groups}, or set "
+                f"learner.max_tokens_per_micro_batch (token-budget shares need not be equal)"
             )
+        if samples < groups:
+            raise ValueError(
+                f"learner.prompts_per_step * rollout.samples_per_prompt = {samples} samples are fewer than "
+                f"{what}: every group needs a sample. Raise prompts_per_step or lower num_ranks"
+            )
+        if sp > 1:
+            self._check_sequence_parallel_algorithm(sp)
         if self.data.max_prompt_tokens + self.rollout.max_response_tokens > 1_000_000:
             raise ValueError("data.max_prompt_tokens + rollout.max_response_tokens exceeds 1M tokens")
         return self
+
+    def _check_sequence_parallel_algorithm(self, sp: int) -> None:
+        """What sequence parallelism does not run correctly. (Whole-sequence quantities, GSPO's ratio and
+        sequence-level off-policy masks, are summed over the SP group: learner.sequence_parallel
+        .sequence_mean_over_group.)"""
+        if self.learner.zero_stage == 3:
+            raise ValueError(
+                f"learner.zero_stage=3 with learner.sequence_parallel_size={sp}: in a one-step check on CPU "
+                f"(gloo) ZeRO-3 under the Ulysses mpu matched one rank in loss, log-probs and weights but reported "
+                f"half the gradient norm, so learner.max_grad_norm would clip at the wrong norm. Use "
+                f"learner.zero_stage=2")
 
     @property
     def samples_per_step(self) -> int:

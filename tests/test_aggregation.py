@@ -87,3 +87,19 @@ def test_sum_over_shards_and_micro_batches_equals_global_loss(preset, aggregatio
         torch.testing.assert_close(grad, ref_grad)
         torch.testing.assert_close(ent_grad, ref_ent_grad)
         assert metrics == pytest.approx(ref_metrics, rel=1e-5, abs=1e-7)
+
+
+def test_seq_mean_token_mean_with_sequence_lengths_is_exact_on_slices_of_a_packed_row():
+    # LOSS's two sequences packed in one row [1, 2, 3 | 4], cut into slices [1, 2] and [3, 4] as two SP ranks
+    # hold it: the row's own mask would count one sequence of 2 tokens per slice; |y| = 3, 3 | 3, 1 per column
+    # gives (1 + 2) / 3 + (3 / 3 + 4 / 1) = 1 + 5 = 6, over 2 sequences = 3, the unsplit value above.
+    slices = [(torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, 3.0]])),
+              (torch.tensor([[3.0, 4.0]]), torch.tensor([[3.0, 1.0]]))]
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    shares = [float(aggregate_loss(loss, mask, "seq_mean_token_mean", NORM, lengths)) for loss, lengths in slices]
+    assert shares == pytest.approx([0.5, 2.5])
+    assert sum(shares) == pytest.approx(float(aggregate_loss(LOSS, MASK, "seq_mean_token_mean", NORM)))
+    # token_mean and Dr.GRPO ignore the lengths: sums over tokens over global constants
+    for mode in ("token_mean", "seq_mean_token_sum_norm"):
+        split = sum(float(aggregate_loss(loss, mask, mode, NORM, lengths)) for loss, lengths in slices)
+        assert split == pytest.approx(float(aggregate_loss(LOSS, MASK, mode, NORM))), mode

@@ -158,3 +158,28 @@ def test_masked_positions_change_neither_loss_nor_gradient(preset, fill):
     for a, b in zip(run(False), run(True)):
         assert torch.isfinite(b).all()
         torch.testing.assert_close(a, b)
+
+
+def test_gspo_on_a_packed_row_with_sequence_mean_matches_one_row_per_sequence():
+    # Two sequences of 3 and 2 tokens as rows, then packed into one row [a a a b b]: with a sequence_mean that
+    # averages each sample's own columns, loss and gradient per token are those of the unpacked rows.
+    lp_rows = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, 0.0]], requires_grad=True)
+    old_rows = torch.tensor([[-1.1, -1.9, -0.5], [-0.2, -1.0, 0.0]])
+    adv_rows = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, 0.0]])
+    mask_rows = torch.tensor([[True, True, True], [True, True, False]])
+    loss_rows, _ = gspo_loss(lp_rows, old_rows, adv_rows, mask_rows, eps_low=0.2, eps_high=0.2)
+    loss_rows[mask_rows].sum().backward()
+
+    lp_row = lp_rows.detach()[mask_rows][None].clone().requires_grad_(True)
+    sample = torch.tensor([0, 0, 0, 1, 1])
+
+    def sequence_mean(values):  # per-sample mean over its columns, back on the columns
+        sums = torch.zeros(2).index_add(0, sample, values[0])
+        return (sums / torch.tensor([3.0, 2.0]))[sample][None]
+
+    loss_row, _ = gspo_loss(lp_row, old_rows[mask_rows][None], adv_rows[mask_rows][None],
+                            torch.ones(1, 5, dtype=torch.bool), eps_low=0.2, eps_high=0.2,
+                            sequence_mean=sequence_mean)
+    loss_row.sum().backward()
+    torch.testing.assert_close(loss_row[0], loss_rows.detach()[mask_rows])
+    torch.testing.assert_close(lp_row.grad[0], lp_rows.grad[mask_rows])

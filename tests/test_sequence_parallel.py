@@ -43,6 +43,29 @@ def test_config_refuses_sequence_parallel_size_not_dividing_num_ranks():
     assert load_config(None, []).learner.sequence_parallel_size == 1
 
 
+def test_config_splits_the_batch_over_data_parallel_groups_not_ranks():
+    # 4 ranks = 2 groups x sp 2: 2 prompts x 3 samples = 6 samples split over 2 groups (not 4 ranks)
+    cfg = load_config(None, ["learner.num_ranks=4", "learner.sequence_parallel_size=2",
+                             "learner.prompts_per_step=2", "rollout.samples_per_prompt=3"])
+    assert cfg.samples_per_step == 6
+    with pytest.raises(ConfigError, match="do not split evenly over learner.num_ranks=4"):
+        load_config(None, ["learner.num_ranks=4", "learner.prompts_per_step=3", "rollout.samples_per_prompt=2"])
+    # 3 x 3 = 9 samples over 2 groups: refused with sample-count micro-batches, fine with a token budget
+    odd = ["learner.num_ranks=4", "learner.sequence_parallel_size=2", "learner.prompts_per_step=3",
+           "rollout.samples_per_prompt=3"]
+    with pytest.raises(ConfigError, match="= 2 data-parallel groups"):
+        load_config(None, odd)
+    assert load_config(None, [*odd, "learner.max_tokens_per_micro_batch=64"]).samples_per_step == 9
+
+
+def test_config_refuses_zero3_with_sequence_parallelism():
+    sp = ["learner.num_ranks=2", "learner.sequence_parallel_size=2"]
+    with pytest.raises(ConfigError, match="zero_stage=3 with learner.sequence_parallel_size=2"):
+        load_config(None, [*sp, "learner.zero_stage=3"])
+    # whole-sequence quantities are reduced over the SP group, so GSPO and sequence masks are allowed
+    assert load_config(None, [*sp, "algorithm.preset=gspo"]).algorithm.policy_loss.type == "gspo"
+
+
 def test_heads_must_split_over_the_sp_ranks():
     check_heads_split(num_heads=2, num_kv_heads=1, sp_size=2)  # one KV head, copied to both ranks
     check_heads_split(num_heads=8, num_kv_heads=4, sp_size=2)
