@@ -303,7 +303,8 @@ def run_plain(cfg, folder: Path, shard: dict, normalizer, warmup: int, steps: in
     from transformers import AutoModelForCausalLM
 
     from learner.batch import collate, pad_per_token, response_logits, token_logprobs
-    from learner.learner_actor import DTYPES, micro_batches
+    from learner.learner_actor import DTYPES
+    from learner.rank_setup import micro_batches
     from learner.objective import PolicyLossInputs, compute_policy_loss, entropy_from_logits
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")

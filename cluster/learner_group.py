@@ -11,7 +11,8 @@ import socket
 
 import ray
 
-from learner.learner_actor import LearnerRank, plan_micro_batches, sample_tokens
+from learner.learner_actor import LearnerRank
+from learner.rank_setup import plan_micro_batches, sample_tokens
 from learner.micro_batches import plan_ranks
 from learner.objective import LossNormalizer
 from protocols.config import RunConfig

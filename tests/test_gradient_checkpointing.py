@@ -3,7 +3,7 @@
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from learner.learner_actor import enable_gradient_checkpointing
+from learner.rank_setup import enable_gradient_checkpointing
 
 
 def tiny_model() -> Qwen2ForCausalLM:
