@@ -223,7 +223,9 @@ class Trainer:
     def run(self) -> dict:
         cfg = self.cfg
         folder = RunFolder(cfg)
-        accuracy_before = evaluate(self.rollout_workers, self.eval_prompts, self.reward_workers, cfg.reward)
+        eval_before: dict = {}
+        accuracy_before = evaluate(self.rollout_workers, self.eval_prompts, self.reward_workers, cfg.reward,
+                                   report=eval_before)
         log.warning("held-out accuracy before training: %.3f", accuracy_before)
         run_refs = [w.run.remote() for w in self.rollout_workers]
         totals = Counter()
@@ -237,7 +239,7 @@ class Trainer:
             totals.update({"wait_s": wait_s, "learner_s": metrics["time/learner_s"],
                            "publish_s": metrics["time/publish_s"], "step_s": metrics["time/step_s"]})
             if cfg.train.eval_every and self.version % cfg.train.eval_every == 0 and self.version < cfg.train.steps:
-                metrics["eval/accuracy"] = self._evaluate_midway(run_refs)
+                metrics["eval/accuracy"] = self._evaluate_midway(run_refs, report=metrics)
                 run_refs = [w.run.remote() for w in self.rollout_workers]
             if cfg.train.save_every and self.version % cfg.train.save_every == 0:
                 self.save_checkpoint(folder.path / "checkpoints" / f"step_{self.version:06d}")
@@ -250,13 +252,18 @@ class Trainer:
         ray.get(self.controller.stop.remote())
         worker_reports = ray.get(run_refs)
         self._sync_idle_workers()
-        accuracy_after = evaluate(self.rollout_workers, self.eval_prompts, self.reward_workers, cfg.reward)
+        eval_after: dict = {}
+        accuracy_after = evaluate(self.rollout_workers, self.eval_prompts, self.reward_workers, cfg.reward,
+                                  report=eval_after)
         log.warning("held-out accuracy after training: %.3f", accuracy_after)
         self.learner.save_hf(folder.final_model_dir)
         stats = ray.get(self.controller.stats.remote())
         wall = time.perf_counter() - self.job_start
         summary = {
             "accuracy_before": accuracy_before,
+            # held-out checks that failed (verifier error or timeout, reward worker lost) count as wrong
+            "eval_before": eval_before,
+            "eval_after": eval_after,
             "accuracy_after": accuracy_after,
             "steps": self.version,
             "wall_seconds": wall,
@@ -296,12 +303,13 @@ class Trainer:
         versions = ray.get([w.get_version.remote() for w in self.rollout_workers])
         ray.get([w.load_weights.remote(*latest) for w, v in zip(self.rollout_workers, versions) if v < latest[0]])
 
-    def _evaluate_midway(self, run_refs: list) -> float:
+    def _evaluate_midway(self, run_refs: list, report: dict | None = None) -> float:
         """Pause generation, evaluate with the newest weights, and let the caller restart the workers."""
         ray.get(self.controller.stop.remote())
         ray.get(run_refs)
         self._sync_idle_workers()
-        accuracy = evaluate(self.rollout_workers, self.eval_prompts, self.reward_workers, self.cfg.reward)
+        accuracy = evaluate(self.rollout_workers, self.eval_prompts, self.reward_workers, self.cfg.reward,
+                            report=report)
         ray.get(self.controller.resume.remote())
         return accuracy
 

@@ -50,6 +50,8 @@ def test_on_policy_run_trains_only_current_samples_and_raises_reward(ray_cluster
         ray.kill(worker)
     correct = sum(t.strip() == p.answer for t, p in zip(texts, trainer.eval_prompts)) / len(texts)
     assert abs(correct - summary["accuracy_after"]) <= 0.02, (correct, summary["accuracy_after"])
+    # the held-out checks went through the reward workers: every prompt scored, none failed
+    assert summary["eval_after"] == {"eval/samples": len(trainer.eval_prompts)}, summary["eval_after"]
 
 
 def test_trajectories_carry_what_the_learner_needs(ray_cluster, tmp_path):
