@@ -20,208 +20,29 @@ pause) and the learner step (c + d * tokens). The driver's long poll for a batch
 3 ms idle sleep are replaced by reacting at once to the events that can change their answer.
 """
 
-import functools
 import gc
 import heapq
 import math
 import random
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Literal
-
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from actors.controller import RolloutController
 from actors.replay_queue import group_has_signal
 from actors.worker_policy import PolicySettings, WorkerPolicy, legacy_calls
+from cluster.sim_scenario import (  # noqa: F401  (re-exported: the benchmarks and tests import them from here)
+    SimulationResult,
+    SimulatorConfig,
+    balanced,
+    capacities,
+    response_length,
+    success_rates,
+)
 from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup, WeightVersion
 
 LEGACY_IDLE_SLEEP_S = 0.003
 """The old worker loop's sleep between controller polls while its engine had nothing to decode."""
 LEGACY_STATS_INTERVAL_S = 1.0
-
-
-class SimulatorConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    num_engines: int = Field(64, ge=1, le=4096)
-    """Simulated rollout workers, one engine each (rollout.num_workers)."""
-
-    max_num_seqs: int = Field(64, ge=1)
-    """Sequences one engine decodes at once (vLLM max_num_seqs); more requests wait in the engine's queue."""
-
-    prompts_in_flight: int = Field(32, ge=1)
-    """Groups a worker keeps in its engine (rollout.prompts_in_flight). A group holds its slot until its longest
-    sample ends, so prompts_in_flight * samples_per_prompt should exceed max_num_seqs to keep the batch full."""
-
-    samples_per_prompt: int = Field(8, ge=2)
-    """Group size G (rollout.samples_per_prompt)."""
-
-    prompts_per_step: int = Field(512, ge=1)
-    """Groups per learner batch (learner.prompts_per_step)."""
-
-    max_staleness: int = Field(5, ge=0)
-    """train.max_staleness: 0 is the synchronous baseline (generate a batch, train, load weights). With long
-    tails it must cover the versions that pass while the longest response decodes, or those groups go stale."""
-
-    partial_rollouts: bool = True
-    """train.partial_rollouts: in-flight requests continue under new weights (only with max_staleness > 0)."""
-
-    drop_zero_variance: bool = False
-    """Dynamic sampling: the queue drops groups whose rewards are all equal, and their budget is re-admitted."""
-
-    steps: int = Field(24, ge=2, le=10_000)
-    """Learner steps to simulate."""
-
-    warmup_steps: int = Field(4, ge=1)
-    """Steps left out of the throughput and idle measurement (the pipeline filling up)."""
-
-    decode_fixed_seconds: float = Field(0.02, gt=0)
-    """a in a decode step's time a + b * running: reading the weights once per step (memory-bound decode)."""
-
-    decode_seconds_per_seq: float = Field(0.0003125, ge=0)
-    """b in a + b * running: each running sequence's KV cache read, in seconds per sequence per step."""
-
-    sync_seconds: float = Field(2.0, ge=0)
-    """Pause of one engine per weight load (transfer and in-place reload)."""
-
-    learner_fixed_seconds: float = Field(5.0, ge=0)
-    """c in the learner step time c + d * tokens: optimizer step and weight publishing."""
-
-    learner_seconds_per_token: float = Field(1e-5, gt=0)
-    """d in c + d * tokens: forward and backward per trained response token (see `balanced`)."""
-
-    median_response_tokens: int = Field(3000, ge=1)
-    """Median of the lognormal part of the response length distribution."""
-
-    length_sigma: float = Field(0.8, ge=0, le=4)
-    """Log-space spread of the lognormal part; larger means a longer tail. 0 gives a fixed length."""
-
-    max_length_fraction: float = Field(0.05, ge=0, le=1)
-    """Share of responses that run to max_response_tokens (long chain-of-thought that does not stop)."""
-
-    max_response_tokens: int = Field(16384, ge=1)
-    """Responses stop here (finish_reason `length`)."""
-
-    token_chunk: int = Field(128, ge=1)
-    """Simulated tokens per stored token id. Each stored entry carries the version of its chunk's first token,
-    so a trajectory's min_version is exact while records stay small; 1 stores every token."""
-
-    num_prompts: int = Field(4096, ge=1)
-    """Training prompts, each with a success rate drawn uniformly from [0, 1] for the Bernoulli rewards."""
-
-    seed: int = 0
-    """Seeds prompt success rates, response lengths and rewards; the same seed gives the same run."""
-
-    control: Literal["batched", "legacy"] = "batched"
-    """How workers reach the controller (`actors/worker_policy.py`): `batched` calls `sync` per batch of groups
-    and keeps a long poll for news; `legacy` is the old loop (a poll and an acquire per decode step, a `put` per
-    group), kept to measure what it cost."""
-
-    min_groups_per_request: int = Field(4, ge=1)
-    """rollout.min_groups_per_request: free slots or scored groups that make a worker call `sync`."""
-
-    poll_interval_s: float = Field(1.0, gt=0)
-    """rollout.poll_interval_s: longest a scored group waits at its worker for others to share a call."""
-
-    @model_validator(mode="after")
-    def _check(self) -> "SimulatorConfig":
-        if self.warmup_steps >= self.steps:
-            raise ValueError(f"warmup_steps={self.warmup_steps} leaves no measured step of steps={self.steps}; "
-                             f"use warmup_steps < steps")
-        return self
-
-    def synchronous(self, even_split: bool = True) -> "SimulatorConfig":
-        """The synchronous baseline with the same engines, lengths and learner. `even_split` sets
-        prompts_in_flight to the engine's share of a batch (the controller's fair share at max_staleness 0 caps
-        it there anyway; without it, workers ask for more than they can get)."""
-        update = {"max_staleness": 0, "partial_rollouts": False}
-        if even_split:
-            update["prompts_in_flight"] = -(-self.prompts_per_step // self.num_engines)
-        return self.model_copy(update=update)
-
-
-LENGTH_FIELDS = ("median_response_tokens", "length_sigma", "max_length_fraction", "max_response_tokens", "seed")
-
-
-def response_length(rng: random.Random, cfg: SimulatorConfig) -> int:
-    if rng.random() < cfg.max_length_fraction:
-        return cfg.max_response_tokens
-    length = round(cfg.median_response_tokens * math.exp(rng.gauss(0.0, cfg.length_sigma)))
-    return max(1, min(cfg.max_response_tokens, length))
-
-
-def success_rates(cfg: SimulatorConfig) -> list[float]:
-    rng = random.Random(f"{cfg.seed}/prompts")
-    return [rng.random() for _ in range(cfg.num_prompts)]
-
-
-@functools.lru_cache(maxsize=64)
-def _mean_length(cfg: SimulatorConfig) -> float:
-    rng = random.Random(f"{cfg.seed}/capacity")
-    return sum(response_length(rng, cfg) for _ in range(100_000)) / 100_000
-
-
-def capacities(cfg: SimulatorConfig) -> dict[str, float]:
-    """The ideal bound: generation capacity (all engines decoding full batches, in trainable tokens/s) against
-    training capacity (learner tokens/s at the mean batch size); throughput can reach at most the smaller."""
-    lengths_only = cfg.model_copy(update={k: v for k, v in SimulatorConfig().model_dump().items()
-                                          if k not in LENGTH_FIELDS})
-    mean_length = _mean_length(lengths_only)
-    g = cfg.samples_per_prompt
-    keep = 1.0
-    if cfg.drop_zero_variance:
-        rates = success_rates(cfg)
-        keep = sum(1 - p**g - (1 - p) ** g for p in rates) / len(rates)
-    s = cfg.max_num_seqs
-    decoded = cfg.num_engines * s / (cfg.decode_fixed_seconds + cfg.decode_seconds_per_seq * s)
-    batch_tokens = cfg.prompts_per_step * g * mean_length
-    train = batch_tokens / (cfg.learner_fixed_seconds + cfg.learner_seconds_per_token * batch_tokens)
-    return {"mean_length": mean_length, "keep_fraction": keep, "decode_capacity": decoded,
-            "generation_capacity": decoded * keep, "training_capacity": train, "ideal": min(decoded * keep, train)}
-
-
-def balanced(cfg: SimulatorConfig, training_over_generation: float = 1.0) -> SimulatorConfig:
-    """`cfg` with learner_seconds_per_token set so training capacity = ratio * generation capacity."""
-    cap = capacities(cfg)
-    batch_tokens = cfg.prompts_per_step * cfg.samples_per_prompt * cap["mean_length"]
-    target = cap["generation_capacity"] * training_over_generation
-    per_token = 1.0 / target - cfg.learner_fixed_seconds / batch_tokens
-    if per_token <= 0:
-        raise ValueError(f"learner_fixed_seconds={cfg.learner_fixed_seconds} alone exceeds the step time of "
-                         f"{batch_tokens / target:.1f} s that the target training capacity allows; lower it")
-    return cfg.model_copy(update={"learner_seconds_per_token": per_token})
-
-
-@dataclass
-class SimulationResult:
-    throughput: float
-    """Trained tokens per simulated second over the measured steps."""
-    capacities: dict[str, float]
-    learner_idle_frac: float
-    generated_tokens_per_s: float
-    """Decoded tokens per second over the measured steps, whether trained or later dropped."""
-    max_staleness_observed: int
-    """Largest learner version minus a trained sample's oldest token version."""
-    min_lag_observed: int
-    """Smallest learner version minus a trained sample's newest token version (0 at k=0: all on-policy)."""
-    drops: dict[str, int]
-    admitted: int
-    trained_group_ids: list[str]
-    dropped_group_ids: dict[str, list[str]]
-    waiting_group_ids: list[str]
-    versions_seen: list[list[int]]
-    sim_seconds: float
-    controller_calls: dict[str, int]
-    """Controller calls made by the rollout workers, by method."""
-    driver_calls: dict[str, int]
-    """Controller calls made by the learner loop (take_batch, publish), by method."""
-    finished_groups: int
-    """Groups the workers finished and handed over."""
-
-    @property
-    def fraction_of_ideal(self) -> float:
-        return self.throughput / self.capacities["ideal"]
 
 
 class _Sequence:

@@ -14,7 +14,7 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-from learner.weight_wire import BITCAST, BucketLayout, header_bytes, header_key, unpack_state_dict  # noqa: F401
+from learner.weight_wire import BITCAST, BucketLayout, header_bytes, header_key
 
 
 # --- object store: packing into reusable host buffers --------------------------------------------------------
