@@ -14,7 +14,7 @@ import ray
 from learner.learner_actor import LearnerRank
 from learner.rank_setup import plan_micro_batches, sample_tokens
 from learner.micro_batches import plan_ranks
-from learner.objective import LossNormalizer
+from learner.objective import LossNormalizer, combine_metrics
 from protocols.config import RunConfig
 from cluster.placement import Placement, create_placement
 from cluster.ray_setup import learner_options
@@ -79,10 +79,7 @@ class LearnerGroup:
         _, shards, count = balanced_shards(samples, self.cfg, len(self.ranks))
         # Per-token metrics add up over SP slices; the ranks count per-sample ones on SP rank 0 only.
         results = ray.get([rank.train_step.remote(s, normalizer, count) for rank, s in self._group_shards(shards)])
-        summed: dict[str, float] = {}
-        for metrics in results:
-            for key, value in metrics.items():
-                summed[key] = max(summed.get(key, value), value) if key.endswith("_max") else summed.get(key, 0.0) + value
+        summed = combine_metrics(results)
         summed["learner/effective_token_frac"] = (summed["learner/real_tokens"]
                                                   / max(summed["learner/processed_tokens"], 1.0))
         return summed

@@ -23,6 +23,7 @@ from learner.micro_batches import check_fits_context
 from learner.objective import (
     LossNormalizer,
     PolicyLossInputs,
+    combine_metrics,
     compute_policy_loss,
     needs_ref_logprobs,
 )
@@ -251,14 +252,17 @@ class LearnerRank:
             self.engine.step()
             summed["learner/real_tokens"] += float(sum(tokens[i] for i in idx))
             summed["learner/processed_tokens"] += float(batch.processed_tokens)
-            for key, value in metrics.items():
-                value = float(value)
-                summed[key] = max(summed.get(key, value), value) if key.endswith("_max") else summed.get(key, 0.0) + value
+            summed = combine_metrics([summed, {key: float(value) for key, value in metrics.items()}])
             del logprobs, entropy, inputs, loss, batch
+        return self._finish_step(summed, start, len(plan), dev)
+
+    def _finish_step(self, summed: dict[str, float], start: float, num_micro: int,
+                     dev: torch.device) -> dict[str, float]:
+        """The step's rank-level readings, added to its summed metrics after the optimizer step."""
         grad_norm = self.engine.get_global_grad_norm()
         summed["grad_norm_max"] = float(grad_norm) if grad_norm is not None else 0.0
         summed["learner_seconds_max"] = time.perf_counter() - start
-        summed["learner/micro_batches_max"] = float(len(plan))
+        summed["learner/micro_batches_max"] = float(num_micro)
         summed["learner/peak_gib_max"] = peak_memory_gib(dev)
         return summed
 
@@ -319,16 +323,9 @@ class LearnerRank:
             if first:
                 summed["learner/real_tokens"] += float(sum(tokens[i] for i in idx))
             summed["learner/processed_tokens"] += float(piece.input_ids.numel())
-            for key, value in metrics.items():
-                value = float(value)
-                summed[key] = max(summed.get(key, value), value) if key.endswith("_max") else summed.get(key, 0.0) + value
+            summed = combine_metrics([summed, {key: float(value) for key, value in metrics.items()}])
             del logprobs, entropy, inputs, loss, piece, row
-        grad_norm = self.engine.get_global_grad_norm()
-        summed["grad_norm_max"] = float(grad_norm) if grad_norm is not None else 0.0
-        summed["learner_seconds_max"] = time.perf_counter() - start
-        summed["learner/micro_batches_max"] = float(len(plan))
-        summed["learner/peak_gib_max"] = peak_memory_gib(dev)
-        return summed
+        return self._finish_step(summed, start, len(plan), dev)
 
     # --- weights out -------------------------------------------------------------------------------------------
     def _full_state_dict(self) -> dict[str, torch.Tensor] | None:
