@@ -216,7 +216,8 @@ class RolloutWorker:
             newer = policy.weights_to_load(len(self.active))
             if newer:
                 self.load_weights(*newer)
-                policy.loaded(newer[0])
+                # the collective backend may have handed over a newer version than the one announced
+                policy.loaded(self.version)
                 continue  # ask for work at the new version before the next step
             if self.engine.has_unfinished_requests():
                 t0 = time.perf_counter()
