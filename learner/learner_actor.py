@@ -206,8 +206,6 @@ class LearnerRank:
         passes every rank runs this step (the driver's count; None: as many as this rank needs, fine for one
         rank). Returns summed metrics (see finalize_metrics), plus learner/real_tokens and
         learner/processed_tokens (padding included), learner/micro_batches_max and learner/peak_gib_max."""
-        if self.sp > 1:
-            return self._train_step_sequence_parallel(shard, normalizer, num_micro_batches)
         cfg = self.cfg
         start = time.perf_counter()
         dev = self._device()
@@ -215,7 +213,8 @@ class LearnerRank:
         tokens = sample_tokens(shard)
         check_fits_context(tokens, getattr(self.hf_config, "max_position_embeddings", None))
         plan = plan_micro_batches(shard, cfg, num_micro_batches)
-        chunk = cfg.learner.logits_chunk_tokens
+        if self.sp > 1:
+            return self._train_step_sequence_parallel(shard, normalizer, plan, tokens, start)
         # The engine's batch size follows this step's count (DeepSpeed's own bookkeeping); the boundary is set
         # explicitly below, so a count that changes between steps never meets a stale micro-step counter.
         self.engine.set_train_batch_size(len(plan) * self.world_size)
@@ -228,13 +227,7 @@ class LearnerRank:
             if not idx:
                 sample_mask[:] = False
             loss_mask = batch.loss_mask & sample_mask[:, None]
-            logprobs, entropy = score_responses(self.engine, batch, cfg.rollout.temperature, chunk)
-            if cfg.algorithm.entropy_coef <= 0:
-                entropy = entropy.detach()
-            ref = None
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    ref, _ = score_responses(self.ref_model, batch, cfg.rollout.temperature, chunk)
+            logprobs, entropy, ref = self._policy_and_ref_scores(score_responses, batch)
             inputs = PolicyLossInputs(
                 behavior_logprobs=pad_per_token([shard["behavior_logprobs"][i] for i in rows], width).to(dev),
                 advantages=pad_per_token([shard["advantages"][i] for i in rows], width).to(dev),
@@ -256,6 +249,19 @@ class LearnerRank:
             del logprobs, entropy, inputs, loss, batch
         return self._finish_step(summed, start, len(plan), dev)
 
+    def _policy_and_ref_scores(self, score, batch):
+        """(log-probs with grad, entropy (with grad only for an entropy bonus), reference log-probs or None) of one
+        micro-batch, `score` being the padded/packed scorer or the sequence-parallel one."""
+        cfg = self.cfg
+        logprobs, entropy = score(self.engine, batch, cfg.rollout.temperature, cfg.learner.logits_chunk_tokens)
+        if cfg.algorithm.entropy_coef <= 0:
+            entropy = entropy.detach()
+        ref = None
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref, _ = score(self.ref_model, batch, cfg.rollout.temperature, cfg.learner.logits_chunk_tokens)
+        return logprobs, entropy, ref
+
     def _finish_step(self, summed: dict[str, float], start: float, num_micro: int,
                      dev: torch.device) -> dict[str, float]:
         """The step's rank-level readings, added to its summed metrics after the optimizer step."""
@@ -267,19 +273,13 @@ class LearnerRank:
         return summed
 
     def _train_step_sequence_parallel(self, shard: dict, normalizer: LossNormalizer,
-                                      num_micro_batches: int | None) -> dict[str, float]:
+                                      plan: list[list[int]], tokens: list[int], start: float) -> dict[str, float]:
         """train_step when sp ranks share each sample: the same plan on every rank of the group, one packed row per
         micro-batch, this rank's 1/sp slice of it. Per-token metrics add up over the slices; what counts samples
         (num_sequences, learner/real_tokens) is counted by SP rank 0 only, so the group's sum counts each once."""
         cfg = self.cfg
         groups = self.groups
-        start = time.perf_counter()
         dev = self._device()
-        reset_peak_memory(dev)
-        tokens = sample_tokens(shard)
-        check_fits_context(tokens, getattr(self.hf_config, "max_position_embeddings", None))
-        plan = plan_micro_batches(shard, cfg, num_micro_batches)
-        chunk = cfg.learner.logits_chunk_tokens
         first = groups.sp_rank == 0
         # What set_train_batch_size writes, counting data-parallel groups, not ranks. DeepSpeed 0.19's own call
         # fails under a Ulysses mpu (its engine.dp_world_size is None there); the boundary is set explicitly below.
@@ -295,13 +295,7 @@ class LearnerRank:
             # |y_i| of whole samples: a slice may hold part of one (seq_mean_token_mean divides by it).
             lengths = torch.tensor([float(len(shard["response_ids"][i])) if keep else 0.0
                                     for i, keep in zip(rows, kept)], device=dev)
-            logprobs, entropy = sequence_parallel_scores(self.engine, piece, cfg.rollout.temperature, chunk)
-            if cfg.algorithm.entropy_coef <= 0:
-                entropy = entropy.detach()
-            ref = None
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    ref, _ = sequence_parallel_scores(self.ref_model, piece, cfg.rollout.temperature, chunk)
+            logprobs, entropy, ref = self._policy_and_ref_scores(sequence_parallel_scores, piece)
             inputs = PolicyLossInputs(
                 behavior_logprobs=piece.per_token["behavior_logprobs"],
                 advantages=piece.per_token["advantages"],
