@@ -6,99 +6,28 @@ rollout worker makes one `sync` call per batch of groups (hand over scored group
 stats) and keeps one long poll (`watch`) open that returns when new weights are published, the run stops, or
 admission budget it waits for is freed. The driver takes batches and publishes weights. The logic is plain
 Python and serializable (`state_dict`), so the simulator and the checkpoints use the same class;
-`ControllerActor` adds the two asynchronous Ray entry points.
+`ControllerActor` adds the two asynchronous Ray entry points. Beside it: the messages (actors/controller_messages.py),
+the prompt cursor (actors/prompt_cursor.py), the lease bookkeeping (actors/leases.py) and the joining of the
+scoring tasks a worker hands over (actors/stream_join.py).
 """
 
 import asyncio
 import logging
-import random
 import time
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
+from actors.controller_messages import SyncReply, SyncRequest, WatchReply
+from actors.leases import LeaseBook
+from actors.prompt_cursor import PromptCursor
 from actors.replay_queue import ReplayQueue
+from actors.stream_join import ReferenceFailed, resolve_all, sort_results
 from protocols.trajectory import Prompt, TrajectoryGroup, WeightVersion
 
 log = logging.getLogger(__name__)
 
 
-class PromptCursor:
-    """Endless shuffled pass over the training prompts; the (epoch, index) pair is the data position."""
-
-    def __init__(self, prompts: list[Prompt], seed: int) -> None:
-        if not prompts:
-            raise ValueError("the training set is empty after filtering; check data.train_path and data.max_prompt_tokens")
-        self.prompts = prompts
-        self.seed = seed
-        self.epoch = 0
-        self.index = 0
-        self._order = self._shuffled(0)
-
-    def _shuffled(self, epoch: int) -> list[int]:
-        order = list(range(len(self.prompts)))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-        return order
-
-    def next(self) -> Prompt:
-        if self.index == len(self._order):
-            self.epoch += 1
-            self.index = 0
-            self._order = self._shuffled(self.epoch)
-        prompt = self.prompts[self._order[self.index]]
-        self.index += 1
-        return prompt
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.index = state["epoch"], state["index"]
-        self._order = self._shuffled(self.epoch)
-
-
-@dataclass
-class SyncRequest:
-    """What a rollout worker hands the controller in one call."""
-
-    worker_id: int
-    version: int
-    """The policy version the worker's engine holds; admission is computed for it."""
-    in_flight: int = 0
-    """Groups the worker is still generating (the fair-share rule at max_staleness 0)."""
-    want: int = 0
-    """Groups it asks for now; 0 asks for none."""
-    scored: list[tuple[str, Any]] = field(default_factory=list)
-    """(group_id, scored TrajectoryGroup or the reward task's ObjectRef). Refs sit inside this record, so Ray
-    passes them unresolved and the data goes reward worker -> controller, never through the rollout worker."""
-    dropped: dict[str, list[str]] = field(default_factory=dict)
-    """Reason -> group ids the worker abandoned (for example aborted when the run stopped)."""
-    stats: dict | None = None
-    """The worker's counters, replacing its previous report."""
-
-
-@dataclass
-class SyncReply:
-    stop: bool
-    weights: tuple[int, list] | None
-    """(version, [weights ref]) when newer than the request's version; then nothing is granted, since a worker
-    loads new weights before it takes more work (the admission rule is per version)."""
-    granted: list[tuple[str, Prompt]] = field(default_factory=list)
-    starved: bool = False
-    """Fewer groups were granted than asked because the admission budget is spent: the worker is registered as
-    waiting, and its `watch` returns when budget is freed (a drop) or new weights are published."""
-    max_in_flight: int | None = None
-    """At max_staleness 0, the worker's fair share of groups in flight: it asks again only below it."""
-
-
-@dataclass
-class WatchReply:
-    stop: bool
-    weights: tuple[int, list] | None
-    budget_freed: bool = False
-
-
-class RolloutController:
+class RolloutController(LeaseBook):
     """Admission, leases, queue and weights. Admission rule (AReaL's staleness control, Fu et al. 2025, sec. 5.1):
     a worker holding policy version w may start a group only while
 
@@ -120,6 +49,7 @@ class RolloutController:
     def __init__(self, prompts: list[Prompt], prompts_per_step: int, max_staleness: int,
                  drop_zero_variance: bool, seed: int, num_workers: int = 1,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        LeaseBook.__init__(self)
         self.cursor = PromptCursor(prompts, seed)
         self.prompts_per_step = prompts_per_step
         self.max_staleness = max_staleness
@@ -132,11 +62,19 @@ class RolloutController:
         self.published: list[WeightVersion] = []
         self.worker_stats: dict[int, dict] = {}
         self.clock = clock
-        self.leases: dict[str, tuple[int, float]] = {}
-        """group_id -> (worker_id, time admitted) for every group admitted and not yet back."""
-        self.released: set[str] = set()
-        self.late_after_release = 0
         self.calls: Counter[str] = Counter()
+        self.reward_workers: list = []
+        self.critic_actor_ids: set[str] = set()
+        """Critic workers (PPO) chained after the reward workers: a group that met a dead one is handed back to be
+        sent again after the driver restarted the critic group (dropped `critic_failed` on a worker's final call),
+        never taken for a reward worker's."""
+        self.reward_generation = 0
+        self.rescored = 0
+        self.model_workers: dict[str, list] = {}
+        """Live reference and critic worker lists, set by the driver after it replaced one (see set_model_workers)."""
+        self.model_generation = 0
+        self.rescored_reference = 0
+        self.rescored_critic = 0
         # starved worker -> (its version, groups it still wants), oldest first; and those whose watch should return
         self._waiting: dict[int, tuple[int, int]] = {}
         self._woken: set[int] = set()
@@ -158,16 +96,23 @@ class RolloutController:
         return False, self._admit(worker_id, worker_version, max_groups, in_flight)
 
     def _admit(self, worker_id: int, worker_version: int, max_groups: int, in_flight: int) -> list:
+        if worker_id in self.lost_workers:  # a call from a worker declared dead, still in flight when it died
+            return []
         if self.max_staleness == 0:
             fair_share = -(-self.prompts_per_step // self.num_workers)
             max_groups = min(max_groups, fair_share - in_flight)
         granted = []
         now = self.clock()
+        while self.reissue and len(granted) < max_groups:
+            group_id, prompt = self.reissue.pop(0)
+            self._lease(group_id, prompt, worker_id, now)
+            granted.append((group_id, prompt))
+        max_groups -= len(granted)
         for _ in range(min(max_groups, self.budget(worker_version))):
-            group_id = f"g{self.admitted}"
+            group_id, prompt = f"g{self.admitted}", self.cursor.next()
             self.admitted += 1
-            self.leases[group_id] = (worker_id, now)
-            granted.append((group_id, self.cursor.next()))
+            self._lease(group_id, prompt, worker_id, now)
+            granted.append((group_id, prompt))
         return granted
 
     def sync(self, request: SyncRequest) -> SyncReply:
@@ -186,6 +131,10 @@ class RolloutController:
         reply = SyncReply(stop=self.stopped, weights=self.latest_weights(request.version))
         if self.max_staleness == 0:
             reply.max_in_flight = -(-self.prompts_per_step // self.num_workers)
+        if request.reward_generation < self.reward_generation:
+            reply.reward_workers = (self.reward_generation, list(self.reward_workers))
+        if request.model_generation < self.model_generation:
+            reply.model_workers = (self.model_generation, {k: list(v) for k, v in self.model_workers.items()})
         if not reply.stop and reply.weights is None and request.want > 0:
             reply.granted = self._admit(request.worker_id, request.version, request.want, request.in_flight)
             if len(reply.granted) < request.want and self.budget(request.version) == 0:
@@ -240,32 +189,37 @@ class RolloutController:
         """Hook: state a `watch` may be waiting for changed (the Ray actor wakes its long polls)."""
 
     # --- leases ------------------------------------------------------------------------------------------------
-    def _end_lease(self, group_id: str) -> bool:
-        """False when the group's lease was released earlier (its worker was declared lost): ignore it."""
-        if group_id in self.released:
-            self.released.discard(group_id)
-            self.late_after_release += 1
-            return False
-        self.leases.pop(group_id, None)
-        return True
-
-    def leases_of(self, worker_id: int) -> list[str]:
-        return [g for g, (w, _) in self.leases.items() if w == worker_id]
-
-    def release_worker(self, worker_id: int) -> list[str]:
-        """Drop every group leased to a lost worker (reason `worker_lost`), freeing its admission budget."""
+    def release_worker(self, worker_id: int, reason: str = "worker_lost") -> list[str]:
+        """Drop every group leased to a lost worker (counted as dropped `reason`), freeing its admission budget.
+        The worker id is retired: a call it still had in flight is granted nothing."""
         self.calls["release_worker"] += 1
-        group_ids = self.leases_of(worker_id)
-        for group_id in group_ids:
-            del self.leases[group_id]
-        self.released.update(group_ids)
+        group_ids = self._release_leases(worker_id)
         self.queue.received += len(group_ids)
-        self.queue.dropped["worker_lost"] += len(group_ids)
+        self.queue.dropped[reason] += len(group_ids)
         self._waiting.pop(worker_id, None)
         self._wake_waiters()
         return group_ids
 
     # --- reward workers ----------------------------------------------------------------------------------------
+    def set_critic_actor_ids(self, actor_ids: list[str]) -> None:
+        self.critic_actor_ids = set(actor_ids)
+
+    def set_reward_workers(self, workers: list) -> int:
+        """The live reward worker list after a replacement; every rollout worker gets it with its next `sync`
+        reply. Returns the new generation."""
+        self.calls["set_reward_workers"] += 1
+        self.reward_workers = list(workers)
+        self.reward_generation += 1
+        return self.reward_generation
+
+    def set_model_workers(self, role: str, workers: list) -> int:
+        """The live list of `role` ("reference" or "critic") after a replacement or a critic restart; every
+        rollout worker gets it with its next `sync` reply. Returns the new generation."""
+        self.calls["set_model_workers"] += 1
+        self.model_workers[role] = list(workers)
+        self.model_generation += 1
+        return self.model_generation
+
     def put(self, group: TrajectoryGroup) -> bool:
         self.calls["put"] += 1
         queued = self._put(group)
@@ -344,7 +298,11 @@ class RolloutController:
             "queue/trained": q.trained,
             "queue/in_flight": in_flight,
             "queue/leased": len(self.leases),
+            "queue/reissue_pending": len(self.reissue),
             "queue/late_after_release": self.late_after_release,
+            "queue/rescored_reward_worker_died": self.rescored,
+            "queue/rescored_reference_worker_died": self.rescored_reference,
+            "queue/rescored_critic_failed": self.rescored_critic,
             "data/epoch": self.cursor.epoch,
         }
         out.update({f"queue/dropped_{reason}": n for reason, n in q.dropped.items()})
@@ -360,8 +318,7 @@ class RolloutController:
             "queue": self.queue.state_dict(),
             "admitted": self.admitted,
             "learner_version": self.learner_version,
-            "leases": {g: [w, t] for g, (w, t) in self.leases.items()},
-            "released": sorted(self.released),
+            **self._leases_state(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -369,18 +326,21 @@ class RolloutController:
         self.queue.load_state_dict(state["queue"])
         self.admitted = state["admitted"]
         self.learner_version = state["learner_version"]
-        self.leases = {g: (w, t) for g, (w, t) in state.get("leases", {}).items()}
-        self.released = set(state.get("released", []))
+        self._load_leases_state(state)
         self._dropped_seen = sum(self.queue.dropped.values())
 
 
 class ControllerActor(RolloutController):
     """The controller hosted as an asynchronous Ray actor (`ray.remote(ControllerActor)`). Its plain methods run
     on the actor's event loop one at a time, as before; `watch` waits there without holding it, and `sync`
-    awaits the scored groups' object refs (a failed reward task counts as dropped `reward_failed`)."""
+    awaits the scored groups' object refs. A reward task whose worker died is handed back for re-scoring
+    (`SyncReply.rescore`; dropped `reward_worker_died` on a worker's final call); any other failed reward task
+    counts as dropped `reward_failed`."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.fatal_error = ""
+        """Set when a reference worker's task raises (it did not die): the driver's next `wait_batch` raises it."""
         self._changed: asyncio.Event | None = None
         self._grew: asyncio.Event | None = None  # separate, so a queued group does not wake every watch
 
@@ -398,6 +358,8 @@ class ControllerActor(RolloutController):
         """Long poll for `take_batch`: the next batch once it is complete, or None after `timeout_s`, so the
         driver makes about one call per step instead of polling."""
         self.calls["wait_batch"] += 1
+        if self.fatal_error:
+            raise RuntimeError(self.fatal_error)
         deadline = asyncio.get_running_loop().time() + timeout_s
         while (batch := self._take_batch(learner_version)) is None:
             if self._grew is None:
@@ -405,6 +367,8 @@ class ControllerActor(RolloutController):
             try:
                 await asyncio.wait_for(self._grew.wait(), deadline - asyncio.get_running_loop().time())
             except asyncio.TimeoutError:
+                if self.fatal_error:
+                    raise RuntimeError(self.fatal_error) from None
                 return None
         return batch
 
@@ -417,20 +381,50 @@ class ControllerActor(RolloutController):
             await self._changed.wait()
         return news
 
+    def _reference_failed(self, group_id: str, err: ReferenceFailed) -> None:
+        """Stop the run with an error that names the worker and the settings: its forward raised (a dead reference
+        worker is replaced instead, cluster/supervisor.py), and the same forward would raise again, so dropping
+        every later group would stall the run without a word."""
+        if not self.fatal_error:
+            log.error("reference worker failed on group %s: %s", group_id, err)
+            self.fatal_error = (
+                f"{err} (group {group_id}). A reference worker that raises is not retried, so the run stops. If it ran "
+                "out of memory, lower learner.micro_batch_size or learner.max_tokens_per_micro_batch (reference "
+                "workers score in the learner's micro-batches) or raise reference.gpus; or set "
+                "reference.num_workers=0 to score the reference inside the learner")
+            self.stop()  # the workers stop generating groups that would only be dropped
+        self._queue_grew()  # wake the driver's wait_batch, which raises it
+
     async def sync(self, request: SyncRequest) -> SyncReply:
         refs = [(g, item) for g, item in request.scored if not isinstance(item, TrajectoryGroup)]
+        died, ref_died, critic_died = [], [], []
         if refs:
-            results = await asyncio.gather(*(item for _, item in refs), return_exceptions=True)
+            results = await resolve_all([item for _, item in refs])
+            joined = sort_results([g for g, _ in refs], results, self.critic_actor_ids)
+            for group_id, err in joined.reference_failures:
+                self._reference_failed(group_id, err)
             scored = [(g, item) for g, item in request.scored if isinstance(item, TrajectoryGroup)]
-            failed = []
-            for (group_id, _), result in zip(refs, results):
-                if isinstance(result, TrajectoryGroup):
-                    scored.append((group_id, result))
-                else:
-                    log.warning("reward worker failed on group %s: %s", group_id, result)
-                    failed.append(group_id)
+            scored += joined.scored
+            failed, died = joined.failed, joined.died
+            ref_died, critic_died = joined.reference_died, joined.critic_died
+            if request.final:  # the worker stopped: nothing can be sent again
+                for reason, group_ids in (("reward_worker_died", died), ("reference_worker_died", ref_died),
+                                          ("critic_failed", critic_died)):
+                    if group_ids:
+                        failed.setdefault(reason, []).extend(group_ids)
+                died, ref_died, critic_died = [], [], []
             dropped = dict(request.dropped)
-            if failed:
-                dropped["reward_failed"] = [*dropped.get("reward_failed", []), *failed]
+            for reason, group_ids in failed.items():
+                dropped[reason] = [*dropped.get(reason, []), *group_ids]
             request = SyncRequest(**{**request.__dict__, "scored": scored, "dropped": dropped})
-        return super().sync(request)
+        reply = super().sync(request)
+        if died:
+            self.rescored += len(died)
+            reply.rescore = died
+        if ref_died:
+            self.rescored_reference += len(ref_died)
+            reply.rescore_reference = ref_died
+        if critic_died:
+            self.rescored_critic += len(critic_died)
+            reply.rescore_critic = critic_died
+        return reply

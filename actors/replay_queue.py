@@ -40,14 +40,27 @@ class ReplayQueue:
         return True
 
     def drop_stale(self, learner_version: int) -> int:
-        """Drop groups whose oldest token is more than max_staleness versions behind the learner."""
+        """Drop groups whose oldest token is more than max_staleness versions behind the learner (`stale`), or
+        whose critic values are (`stale_critic`: the critic takes one update per learner step, so its version
+        counts the same steps)."""
         oldest_allowed = learner_version - self.max_staleness
-        if all(version >= oldest_allowed for version, _ in self._groups):
+
+        def critic_ok(group: TrajectoryGroup) -> bool:
+            version = group.critic_version
+            return version is None or version >= oldest_allowed
+
+        if all(version >= oldest_allowed and critic_ok(g) for version, g in self._groups):
             return 0
-        kept = deque(item for item in self._groups if item[0] >= oldest_allowed)
+        kept = deque()
+        for version, group in self._groups:
+            if version < oldest_allowed:
+                self.dropped["stale"] += 1
+            elif not critic_ok(group):
+                self.dropped["stale_critic"] += 1
+            else:
+                kept.append((version, group))
         dropped = len(self._groups) - len(kept)
         self._groups = kept
-        self.dropped["stale"] += dropped
         return dropped
 
     def take(self, num_groups: int, learner_version: int) -> list[TrajectoryGroup] | None:

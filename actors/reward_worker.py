@@ -7,6 +7,7 @@ holds the logic and is tested without Ray. The driver creates `reward.num_worker
 import logging
 from collections import Counter
 
+from protocols.metrics import combine_metrics, reward_worker_metrics
 from protocols.reward import RewardConfig
 from protocols.trajectory import Prompt, TrajectoryGroup, VerifierResult
 from rewards.scorer import Scorer
@@ -31,8 +32,12 @@ class RewardWorker:
         return self.scorer.score(prompts, responses, count=False)
 
     def metrics(self) -> dict[str, float]:
-        """`reward/*` counts since the last call (samples, errors by kind, mean verify time)."""
+        """`reward_worker/*` since the last call (samples, errors by kind, seconds per sample, ...)."""
         return self.scorer.metrics()
+
+    def counters(self) -> dict[str, float]:
+        """Raw counts since the last call, for merging over workers (protocols.metrics.reward_worker_metrics)."""
+        return self.scorer.counters()
 
     def ping(self) -> int:
         return self.worker_index
@@ -46,6 +51,15 @@ def score_on_workers(reward_workers: list, prompts: list[Prompt], responses: lis
     """(correct per response, error counts by kind) for held-out responses, spread over the reward worker
     actors. Never raises for a verifier's or a worker's failure: a verifier exception, timeout or crash, a
     worker that died (`worker_died`) or did not answer in time (`worker_timeout`) counts as wrong."""
+    results = results_on_workers(reward_workers, prompts, responses, cfg)
+    return [r.correct for r in results], Counter(r.error for r in results if r.error)
+
+
+def results_on_workers(reward_workers: list, prompts: list[Prompt], responses: list[str],
+                       cfg: RewardConfig) -> list[VerifierResult]:
+    """One VerifierResult per held-out response (reward, correct, the verifier's `info` with the extracted
+    answer, error kind), spread over the reward worker actors. A worker that died or did not answer in time
+    gives its samples `correct=False` with error `worker_died` / `worker_timeout`; never raises for them."""
     import ray
 
     if not reward_workers:
@@ -54,26 +68,57 @@ def score_on_workers(reward_workers: list, prompts: list[Prompt], responses: lis
     chunks = [list(range(i, len(prompts), n)) for i in range(n)]
     refs = [w.score_held_out.remote([prompts[j] for j in c], [responses[j] for j in c])
             for w, c in zip(reward_workers, chunks) if c]  # fmt: skip
-    correct = [False] * len(prompts)
-    errors: Counter = Counter()
+    results: list[VerifierResult | None] = [None] * len(prompts)
     for ref, chunk in zip(refs, [c for c in chunks if c]):
         # Every sample is bounded by reward.timeout_s plus the scorer's kill grace; samples run one after another
         # in the worst case.
         limit = len(chunk) * (cfg.timeout_s + 3.0) + _EVAL_SLACK_S
+        failure = ""
         try:
-            results = ray.get(ref, timeout=limit)
+            scored = ray.get(ref, timeout=limit)
         except ray.exceptions.GetTimeoutError:
             log.warning("a reward worker gave no held-out scores within %.0f s; its %d samples count as wrong",
                         limit, len(chunk))
-            errors["worker_timeout"] += len(chunk)
-            continue
+            failure = "worker_timeout"
         except ray.exceptions.RayError as err:
             log.warning("a reward worker failed during held-out evaluation (%s); its %d samples count as wrong",
                         type(err).__name__, len(chunk))
-            errors["worker_died"] += len(chunk)
-            continue
-        for j, result in zip(chunk, results, strict=True):
-            correct[j] = bool(result.correct)
-            if result.error:
-                errors[result.error] += 1
-    return correct, errors
+            failure = "worker_died"
+        if failure:
+            scored = [VerifierResult(reward=0.0, correct=False, info={"error": failure}, error=failure)] * len(chunk)
+        for j, result in zip(chunk, scored, strict=True):
+            results[j] = result
+    return results  # type: ignore[return-value]
+
+
+class CounterPoll:
+    """Collects the reward workers' counters for the run's log without ever blocking a step: a worker scores
+    groups one call at a time, so a `counters` call waits behind its queue. Each `read()` merges the answers
+    that arrived since the last one and asks again only the workers that answered, so counts arrive at most one
+    logged step late and none is lost or counted twice."""
+
+    def __init__(self, reward_workers: list) -> None:
+        # the driver's own list, not a copy: the supervisor swaps replacements into it in place
+        self.workers = reward_workers
+        self.pending: dict = {}  # ref -> worker index
+        self.total: dict[str, float] = {}
+
+    def read(self, wait_s: float = 0.0) -> dict[str, float]:
+        """`reward_worker/*` of the counters that arrived (waiting at most `wait_s` for outstanding ones)."""
+        import ray
+
+        asked = set(self.pending.values())
+        for i, worker in enumerate(self.workers):
+            if i not in asked:
+                self.pending[worker.counters.remote()] = i
+        ready, _ = ray.wait(list(self.pending), num_returns=len(self.pending), timeout=wait_s)
+        arrived = []
+        for ref in ready:
+            index = self.pending.pop(ref)
+            try:
+                arrived.append(ray.get(ref))
+            except ray.exceptions.RayError as err:
+                log.warning("reward worker %d's counters could not be read (%s); left out", index,
+                            type(err).__name__)
+        self.total = combine_metrics([self.total, *arrived])
+        return reward_worker_metrics(arrived)

@@ -14,6 +14,7 @@ import zlib
 import ray
 import torch
 
+from actors.stream_join import StreamedGroup
 from actors.vllm_weights import load_checkpoint_weights, tensor_parallel_engine_args
 from actors.weight_receiver import CollectiveReceiver, ObjectStoreReceiver
 from actors.worker_policy import PolicySettings, WorkerPolicy
@@ -46,7 +47,8 @@ class _GroupInFlight:
 
 class RolloutWorker:
     def __init__(self, cfg: RunConfig, worker_id: int, model_path: str, controller=None,
-                 reward_workers: list | None = None) -> None:
+                 reward_workers: list | None = None, critic_workers: list | None = None,
+                 reference_workers: list | None = None) -> None:
         configure_vllm_env(cfg)
         from vllm import LLM
 
@@ -54,6 +56,11 @@ class RolloutWorker:
         self.worker_id = worker_id
         self.controller = controller
         self.reward_workers = reward_workers or []
+        # PPO: critic workers stamp values on each scored group before it reaches the controller.
+        self.critic_workers = critic_workers or []
+        self._critic_rr = 0
+        self.reference_workers = reference_workers or []
+        """reference.num_workers > 0: every group also goes to one of these (round robin) for ref log-probs."""
         self.version = 0
         max_len = cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens
         self.on_gpu = cfg.cluster.use_gpus
@@ -86,6 +93,28 @@ class RolloutWorker:
         self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
         self._reward_rr = 0
+        # Reward workers this worker knows dead (indices into reward_workers) and the list's generation: the
+        # controller hands a newer list back with a `sync` reply after the driver replaced one.
+        self.reward_generation = 0
+        self._dead_reward: set[int] = set()
+        self.sent: dict[str, tuple[TrajectoryGroup, int, int, int]] = {}
+        """group_id -> (group, reward worker index, re-scoring attempts, list generation) until the controller
+        took its score."""
+        self._unsent: list[tuple[TrajectoryGroup, int]] = []
+        """(group, attempts) waiting for a live reward or reference worker, or the restarted critic group."""
+        self.rescore_counts = {"rescored": 0, "dropped_reward_worker_died": 0, "rescored_reference": 0,
+                               "dropped_reference_worker_died": 0, "rescored_critic": 0, "dropped_critic_failed": 0}
+        self._reference_rr = 0
+        # Reference workers known dead and the generation of the reference/critic lists (the controller hands a
+        # newer one back after the driver replaced a reference worker or restarted the critic group).
+        self.model_generation = 0
+        self._dead_reference: set[int] = set()
+        self._critic_dead = False
+        """A critic worker of the current list died: the driver restarts the whole critic group, so groups wait
+        for the new handles instead of meeting the old ranks."""
+        self.sent_model: dict[str, tuple[int, int]] = {}
+        """group_id -> (reference worker index or -1, reference/critic list generation) until the controller took
+        its score."""
         self.versions_seen: list[int] = [0]
         self.sync_seconds = 0.0
         # weight_sync.type=collective swaps in a CollectiveReceiver at join_weight_group.
@@ -96,6 +125,7 @@ class RolloutWorker:
         """Join the collective weight group as rank `info["rank"]`; every member calls this at the same time.
         Starts the receiver thread. Returns the rank."""
         metas = [WeightMeta(name, dtype, tuple(shape)) for name, dtype, shape in info["metas"]]
+        self.receiver.close()  # a rejoin after a worker was replaced: the old group's receiver thread ends
         device = torch.device("cuda") if info["backend"] == "nccl" else torch.device("cpu")
         self.receiver = CollectiveReceiver(info["host"], info["port"], info["rank"], info["world_size"],
                                            info["backend"], info["timeout_s"], metas, info["bucket_bytes"], device)
@@ -163,22 +193,102 @@ class RolloutWorker:
         del active[group_id]
         return TrajectoryGroup(group_id=group_id, trajectories=group.trajectories)
 
-    def _send_to_reward(self, group: TrajectoryGroup) -> None:
-        worker = self.reward_workers[self._reward_rr % len(self.reward_workers)]
+    def _send_to_reward(self, group: TrajectoryGroup, attempts: int = 0) -> None:
+        """Round robin over the reward workers not known dead; with none left the group waits for the list the
+        driver sends after replacing them (`_on_reward_news`)."""
+        live = [i for i in range(len(self.reward_workers)) if i not in self._dead_reward]
+        live_reference = [i for i in range(len(self.reference_workers)) if i not in self._dead_reference]
+        critic_down = bool(self.critic_workers) and self._critic_dead
+        if not live or (self.reference_workers and not live_reference) or critic_down:
+            self._unsent.append((group, attempts))
+            return
+        index = live[self._reward_rr % len(live)]
         self._reward_rr += 1
-        self.scoring[worker.score_group.remote(group)] = group.group_id
+        reward_input, streamed, ref_index = group, None, -1
+        if self.reference_workers:
+            # The reference log-probs are computed beside the reward, not after it: one put, read by both tasks.
+            reward_input = ray.put(group)
+            ref_index = live_reference[self._reference_rr % len(live_reference)]
+            self._reference_rr += 1
+            streamed = (self.reference_workers[ref_index].score_group.remote(reward_input), ref_index)
+        self.sent_model[group.group_id] = (ref_index, self.model_generation)
+        ref = self.reward_workers[index].score_group.remote(reward_input)
+        if self.critic_workers:
+            # Chained on the unresolved ref: the scored group goes reward worker -> critic -> controller.
+            critic = self.critic_workers[self._critic_rr % len(self.critic_workers)]
+            self._critic_rr += 1
+            ref = critic.add_values.remote(ref)
+        self.scoring[ref] = group.group_id
+        if streamed is not None:
+            self.streamed[ref] = StreamedGroup(ref, *streamed)
+        self.sent[group.group_id] = (group, index, attempts, self.reward_generation)
+
+    def _on_reward_news(self, request, reply) -> None:
+        """After a `sync`: take the live reward, reference and critic lists if they changed, forget the groups the
+        controller took, and send again the ones whose reward, reference or critic worker died (at most
+        fault.max_rescore_attempts times; then they are dropped as `reward_worker_died`,
+        `reference_worker_died` or `critic_failed`, counted by the controller)."""
+        news = False
+        if reply.reward_workers is not None:
+            self.reward_generation, self.reward_workers = reply.reward_workers[0], list(reply.reward_workers[1])
+            self._dead_reward.clear()
+            news = True
+        if reply.model_workers is not None:
+            self.model_generation, lists = reply.model_workers
+            self.reference_workers = list(lists.get("reference", self.reference_workers))
+            self.critic_workers = list(lists.get("critic", self.critic_workers))
+            self._dead_reference.clear()
+            self._critic_dead = False
+            news = True
+        if news:
+            unsent, self._unsent = self._unsent, []
+            for group, attempts in unsent:
+                self._send_to_reward(group, attempts)
+        roles = {**{g: "reward" for g in reply.rescore}, **{g: "reference" for g in reply.rescore_reference},
+                 **{g: "critic" for g in reply.rescore_critic}}
+        for group_id, _ in request.scored:
+            entry = self.sent.pop(group_id, None)
+            model_entry = self.sent_model.pop(group_id, None)
+            role = roles.get(group_id)
+            if entry is None or role is None:
+                continue
+            group, index, attempts, generation = entry
+            if role == "reward" and generation == self.reward_generation:  # the index names the dead worker
+                self._dead_reward.add(index)
+            if role != "reward" and model_entry is not None and model_entry[1] == self.model_generation:
+                if role == "reference":
+                    self._dead_reference.add(model_entry[0])
+                else:
+                    self._critic_dead = True
+            reason = "critic_failed" if role == "critic" else f"{role}_worker_died"
+            if attempts >= self.cfg.fault.max_rescore_attempts:
+                self.policy.on_dropped(reason, [group_id])
+                self.rescore_counts[f"dropped_{reason}"] += 1
+            else:
+                # a group whose reference or critic worker died is sent whole again (reward, reference, critic):
+                # its reward result was not kept, and scoring it twice costs one verifier call
+                self.rescore_counts["rescored" if role == "reward" else f"rescored_{role}"] += 1
+                self._send_to_reward(group, attempts + 1)
 
     def _collect_scored(self, block: bool = False) -> None:
         """Hand the policy the reward tasks that finished, as object refs: the controller resolves them, so the
-        data goes reward worker -> controller directly. `fetch_local=False` keeps ray.wait from pulling them
-        here; a failed task is counted as dropped by the controller."""
+        data goes reward worker -> controller directly. With reference workers a group is handed over (as a
+        StreamedGroup) once its reference task has finished too, so the controller never waits on one.
+        `fetch_local=False` keeps ray.wait from pulling them here; a failed task is counted by the controller."""
         if not self.scoring:
             return
-        ready, _ = ray.wait(list(self.scoring), num_returns=len(self.scoring), timeout=None if block else 0,
-                            fetch_local=False)
+        # at stop, scoring still running gets fault.batch_timeout_s; what is left then is dropped by the caller
+        refs = [*self.scoring, *(item.ref_logprobs for item in self.streamed.values())]
+        ready, _ = ray.wait(refs, num_returns=len(refs),
+                            timeout=self.cfg.fault.batch_timeout_s if block else 0, fetch_local=False)
+        ready = set(ready)
         now = time.monotonic()
-        for ref in ready:
-            self.policy.on_scored(self.scoring.pop(ref), ref, now)
+        for ref in [r for r in self.scoring if r in ready]:
+            item = self.streamed.get(ref)
+            if item is not None and item.ref_logprobs not in ready:
+                continue
+            self.streamed.pop(ref, None)
+            self.policy.on_scored(self.scoring.pop(ref), item or ref, now)
 
     def _check_watch(self) -> None:
         """Read the long poll's answer locally (no controller call) and keep one open."""
@@ -190,7 +300,12 @@ class RolloutWorker:
 
     def _sync(self, stats: dict, start: float) -> None:
         request = self.policy.request(time.monotonic(), len(self.active), self._report(stats, start))
-        for group_id, prompt in self.policy.on_reply(ray.get(self.controller.sync.remote(request))):
+        request.reward_generation = self.reward_generation
+        request.model_generation = self.model_generation
+        self._last_sync = time.monotonic()
+        reply = ray.get(self.controller.sync.remote(request))
+        self._on_reward_news(request, reply)
+        for group_id, prompt in self.policy.on_reply(reply):
             self._start_group(group_id, prompt, self.active, self.requests)
 
     def run(self) -> dict:
@@ -201,7 +316,9 @@ class RolloutWorker:
         self.active: dict[str, _GroupInFlight] = {}
         self.requests: dict[str, tuple[str, int, int]] = {}
         self.scoring: dict = {}  # reward task ref -> group_id
+        self.streamed: dict = {}  # reward task ref -> StreamedGroup (reference workers on)
         self._watch = None
+        self._last_sync = time.monotonic()
         stats = {"generate_s": 0.0, "idle_s": 0.0, "tokens": 0, "groups": 0, "steps": 0}
         start = time.perf_counter()
         policy = self.policy
@@ -209,7 +326,11 @@ class RolloutWorker:
             if stats["steps"] % cfg.rollout.weight_sync_interval_steps == 0 or not self.active:
                 self._check_watch()
             self._collect_scored()
-            if policy.sync_due(time.monotonic(), len(self.active)):
+            now = time.monotonic()
+            # groups waiting for a live reward, reference or critic worker: ask every fault.health_check_s for the
+            # new lists (a worker starved of budget would otherwise never call, and its groups would wait forever)
+            if policy.sync_due(now, len(self.active)) or (
+                    self._unsent and now - self._last_sync >= cfg.fault.health_check_s):
                 self._sync(stats, start)
             if policy.stopped:
                 break
@@ -238,15 +359,27 @@ class RolloutWorker:
             self.engine.abort_request(list(self.requests))
             self.requests.clear()
         self._collect_scored(block=True)
+        # groups still waiting for a live reward, reference or critic worker, or whose scoring did not end in time,
+        # are dropped
+        waiting_for = ("reward_worker_died" if len(self._dead_reward) == len(self.reward_workers) else
+                       "critic_failed" if self._critic_dead else "reference_worker_died")
+        self.policy.on_dropped(waiting_for, [g.group_id for g, _ in self._unsent])
+        self.policy.on_dropped("reward_timeout", list(self.scoring.values()))
+        self._unsent, self.scoring = [], {}
         report = self._report(stats, start)
-        ray.get(self.controller.sync.remote(self.policy.final_request(list(self.active), report)))
+        request = self.policy.final_request(list(self.active), report)
+        request.reward_generation, request.final = self.reward_generation, True
+        request.model_generation = self.model_generation
+        ray.get(self.controller.sync.remote(request))
         self.active.clear()
+        self.sent.clear()
+        self.sent_model.clear()
         return report
 
     def _report(self, stats: dict, start: float) -> dict:
         wall = time.perf_counter() - start
         return {**stats, "wall_s": wall, "sync_s": self.sync_seconds, "version": self.version,
-                "versions_seen": list(self.versions_seen)}
+                "versions_seen": list(self.versions_seen), **self.rescore_counts}
 
     # --- evaluation and checks -----------------------------------------------------------------------------------
     def generate_greedy(self, prompts: list[Prompt]) -> list[str]:
@@ -256,6 +389,23 @@ class RolloutWorker:
         params = SamplingParams(temperature=0.0, max_tokens=self.cfg.rollout.max_response_tokens)
         outs = self.llm.generate([{"prompt_token_ids": p.prompt_token_ids} for p in prompts], params, use_tqdm=False)
         return [o.outputs[0].text for o in outs]
+
+    def generate_eval(self, prompts: list[Prompt], n: int, temperature: float, top_p: float,
+                      seed: int) -> list[list[dict]]:
+        """`n` responses per prompt for the evaluation harness (not while `run` is going): temperature 0 is
+        greedy. Each prompt's sampling is seeded from `seed` and its prompt id, so the draws do not depend on how
+        the prompts were split over workers. Per prompt, per response: text, tokens, finish_reason."""
+        from vllm import SamplingParams
+
+        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p if temperature > 0 else 1.0,
+                                 max_tokens=self.cfg.rollout.max_response_tokens,
+                                 seed=zlib.crc32(f"eval/{seed}/{p.prompt_id}".encode()) & 0x7FFFFFFF)
+                  for p in prompts]
+        outs = self.llm.generate([{"prompt_token_ids": p.prompt_token_ids} for p in prompts], params,
+                                 use_tqdm=False)
+        return [[{"text": o.text, "tokens": len(o.token_ids),
+                  "finish_reason": "length" if o.finish_reason == "length" else "stop"} for o in out.outputs]
+                for out in outs]
 
     def sequence_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
         """log p(response token) under the engine's current weights at temperature 1 (prompt log-probs are

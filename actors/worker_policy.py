@@ -12,7 +12,7 @@ so the simulator can measure what it cost.
 import math
 from dataclasses import dataclass
 
-from actors.controller import SyncReply, SyncRequest, WatchReply
+from actors.controller_messages import SyncReply, SyncRequest, WatchReply
 
 
 @dataclass(frozen=True)

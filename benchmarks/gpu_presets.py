@@ -8,7 +8,7 @@ Each row builds one DeepSpeed rank with `cluster.use_gpus=true` on a random-init
 runs what the driver runs for one batch: reference log-probs when the preset puts the KL in the reward, then
 `train_step` twice. A row fails on any exception (the in-learner reference model on the wrong device, say) and
 prints it. Shipped configs keep their algorithm and learner settings; the model, the batch and the number of
-ranks are shrunk to one GPU. `ppo` needs critic values (advantages from GAE): it is checked with the critic.
+ranks are shrunk to one GPU. `ppo` also builds a critic rank on the same GPU: values, then two critic updates.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.learner_gpu import VOCAB, build_model_folder, free_memory, free_port, make_shard  # noqa: E402
+from benchmarks._gpu_common import VOCAB, build_model_folder, free_memory, free_port, make_shard  # noqa: E402
 
 PRESETS = ["reinforce", "rloo", "grpo", "dr_grpo", "dapo", "gspo", "cispo", "reinforce_pp"]
 
@@ -54,6 +54,8 @@ def run_one(cfg, folder: Path, port: int, resp_len: int, prompt_len: int, sample
         torch.cuda.synchronize()
         out.update(loss=metrics["loss"], grad_norm=metrics.get("grad_norm_max", float("nan")),
                    s_per_step=(time.perf_counter() - t0) / 2, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+        if cfg.critic.enabled:
+            out["value_loss"] = run_critic(cfg, folder, port, shard)
         if not all(map(lambda v: v == v, (out["loss"], out["grad_norm"]))):
             raise RuntimeError(f"non-finite loss or grad norm: {out}")
         return out
@@ -63,6 +65,27 @@ def run_one(cfg, folder: Path, port: int, resp_len: int, prompt_len: int, sample
         del learner
         free_memory()
         torch.cuda.reset_peak_memory_stats()
+
+
+def run_critic(cfg, folder: Path, port: int, shard: dict) -> float:
+    """ppo: the critic rank on the same GPU stamps values on the shard, then takes two updates toward returns of
+    1 on every token (stamped values as the old ones). Returns the second update's value loss."""
+    from learner.critic_rank import CriticRank
+
+    critic = CriticRank(cfg, rank=0, world_size=1, model_path=str(folder))
+    critic.setup("127.0.0.1", port)  # joins the process group the learner rank already opened (world size 1)
+    try:
+        values, _ = critic.values(shard)
+        batch = {**shard, "returns": [[1.0] * len(v) for v in values], "old_values": values}
+        for _ in range(2):
+            metrics = critic.train_step(batch, float(sum(len(v) for v in values)), num_micro_batches=max(
+                1, -(-len(values) // cfg.critic.micro_batch_size)))
+        if not metrics["value_loss"] == metrics["value_loss"]:
+            raise RuntimeError(f"non-finite critic value loss: {metrics}")
+        return metrics["value_loss"]
+    finally:
+        del critic
+        free_memory()
 
 
 def main() -> int:
@@ -89,6 +112,7 @@ def main() -> int:
                   "rollout.samples_per_prompt=8", f"learner.prompts_per_step={max(1, args.samples // 8)}",
                   "learner.num_ranks=1", "learner.micro_batch_size=4", "learner.gradient_checkpointing=true"]
         jobs = [(f"preset {p}", None, [f"algorithm.preset={p}"]) for p in PRESETS]
+        jobs.append(("preset ppo", None, ["algorithm.preset=ppo", "critic.num_workers=1", "critic.micro_batch_size=4"]))
         if args.configs:
             jobs += [(f"config {c.name}", str(c), []) for c in sorted(Path(args.configs).glob("*.yaml"))]
         for name, path, extra in jobs:
@@ -99,7 +123,8 @@ def main() -> int:
                 print(f"OK    {name:28} zero {cfg.learner.zero_stage} kl {cfg.algorithm.kl.beta:<5} "
                       f"loss {res['loss']:+.4f} grad_norm {res['grad_norm']:.3f} "
                       f"{res['s_per_step']:.2f} s/step peak {res['peak_gib']:.1f} GiB"
-                      + (f" kl_reward {res['kl_reward_mean']:.4f}" if "kl_reward_mean" in res else ""), flush=True)
+                      + (f" kl_reward {res['kl_reward_mean']:.4f}" if "kl_reward_mean" in res else "")
+                      + (f" value_loss {res['value_loss']:.4f}" if "value_loss" in res else ""), flush=True)
             except Exception as err:  # one failing row must not hide the others
                 failures += 1
                 print(f"FAIL  {name:28} {type(err).__name__}: {str(err).splitlines()[0][:200]}", flush=True)

@@ -27,131 +27,31 @@ understates the hardware's work, more so for long sequences and with checkpointi
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SHAPES = {
-    # Qwen2.5-0.5B / 1.5B: same layout, random weights.
-    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                 intermediate_size=4864),
-    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                 intermediate_size=8960),
-    # For a CPU smoke test of the script only (--allow-cpu).
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                 intermediate_size=128),
-}
-VOCAB = 151936
-PAD_ID = 151643  # Qwen2.5's <|endoftext|>, its pad token
-
-
-# --------------------------------------------------------------------------------------------- model folder
-
-
-def build_model_folder(shape: str, root: Path, vocab: int, device: str,
-                       max_positions: int = 32768) -> tuple[Path, int]:
-    """Random-init Qwen2 of the named shape plus a trivial tokenizer, saved as a Hugging Face folder."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
-    folder = root / f"qwen2-{shape}"
-    pad_id = min(PAD_ID, vocab - 1)
-    config = Qwen2Config(vocab_size=vocab, tie_word_embeddings=True, max_position_embeddings=max_positions,
-                         rope_theta=1_000_000.0, rms_norm_eps=1e-6, pad_token_id=pad_id, bos_token_id=pad_id,
-                         eos_token_id=pad_id, **SHAPES[shape])
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen2ForCausalLM(config).to(torch.bfloat16 if device == "cuda" else torch.float32)
-    n_params = sum(p.numel() for p in model.parameters())  # tied head counted once
-    model.save_pretrained(folder)
-    del model
-    tok = Tokenizer(WordLevel({"<unk>": 0, "a": 1, "b": 2}, unk_token="<unk>"))
-    tok.pre_tokenizer = Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<unk>").save_pretrained(folder)
-    return folder, n_params
-
-
-# ------------------------------------------------------------------------------------------- synthetic data
-
-
-def make_shard(n: int, prompt_len: int, resp_len: int, vocab: int, seed: int) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(0, vocab, (n, prompt_len), generator=g).tolist()
-    responses = torch.randint(0, vocab, (n, resp_len), generator=g).tolist()
-    signs = [1.0 if i % 2 == 0 else -1.0 for i in range(n)]
-    behavior = (-2.0 + 0.5 * torch.randn(n, resp_len, generator=g)).clamp(max=-1e-3).tolist()
-    return {
-        "prompt_ids": prompts,
-        "response_ids": responses,
-        "behavior_logprobs": behavior,
-        "advantages": [[s] * resp_len for s in signs],
-        "sample_mask": [True] * n,
-    }
-
-
-# --------------------------------------------------------------------------------------------- timing helpers
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def free_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def peak_gib() -> float:
-    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
-
-
-def reset_peak() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-
-
-@dataclass
-class Phases:
-    """Seconds of one instrumented step, split by synchronising around backward and the optimizer."""
-
-    fwd: float = 0.0
-    bwd: float = 0.0
-    opt: float = 0.0
-
-
-@dataclass
-class Result:
-    shape: str
-    variant: str
-    resp_len: int
-    micro_batch: int
-    grad_ckpt: bool
-    samples_per_step: int
-    steps_timed: int
-    s_per_step: float = float("nan")
-    resp_tok_s: float = float("nan")
-    total_tok_s: float = float("nan")
-    model_tflops: float = float("nan")
-    peak_gib: float = float("nan")
-    phases: dict = field(default_factory=dict)
-    setup_s: float = float("nan")
-    first_loss: float = float("nan")
-    """Loss of the first warm-up step: the three variants must agree (same data, same initial weights)."""
-    error: str = ""
+from benchmarks._gpu_common import (  # noqa: E402
+    VOCAB,
+    Phases,
+    Result,
+    build_model_folder,
+    free_memory,
+    free_port,
+    make_shard,
+    peak_gib,
+    reset_peak,
+    sync,
+)
+from benchmarks._plain_learner import run_plain  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------- runners
@@ -267,140 +167,8 @@ def publish_alternatives(learner, reps: int) -> dict:
     return out
 
 
-def _chunked_scores(model, batch, temperature: float, chunk_tokens: int):
-    """(B, T) log-probs with grad and entropy without grad, never holding (B, T, V) logits."""
-    from torch.utils.checkpoint import checkpoint
-
-    # Same rows as learner.batch.response_logits: responses start at one column P (left-padded prompts), and
-    # response token j is predicted by the output at P + j - 1, i.e. the last T + 1 positions minus the final one.
-    width_t = batch.loss_mask.size(1)
-    hidden = model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                         position_ids=batch.position_ids).last_hidden_state
-    h = hidden[:, -(width_t + 1):-1]
-    b, t, d = h.shape
-    h = h.reshape(b * t, d)
-    ids = batch.response_ids.reshape(b * t)
-    head = model.lm_head
-
-    def chunk_fn(hc, idc):
-        z = head(hc).float() / temperature
-        lse = torch.logsumexp(z, dim=-1)
-        lp = torch.gather(z, -1, idc.unsqueeze(-1)).squeeze(-1) - lse
-        with torch.no_grad():
-            ent = lse - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
-        return lp, ent
-
-    lps, ents = [], []
-    for s in range(0, b * t, chunk_tokens):
-        lp, ent = checkpoint(chunk_fn, h[s:s + chunk_tokens], ids[s:s + chunk_tokens], use_reentrant=False)
-        lps.append(lp)
-        ents.append(ent)
-    return torch.cat(lps).view(b, t), torch.cat(ents).view(b, t)
-
-
-def run_plain(cfg, folder: Path, shard: dict, normalizer, warmup: int, steps: int, res: Result,
-              chunked: bool, chunk_tokens: int) -> None:
-    from transformers import AutoModelForCausalLM
-
-    from learner.batch import collate, pad_per_token, response_logits, token_logprobs
-    from learner.learner_actor import DTYPES
-    from learner.rank_setup import micro_batches
-    from learner.objective import PolicyLossInputs, compute_policy_loss, entropy_from_logits
-
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=DTYPES[cfg.model.dtype]).to(dev)
-    if cfg.learner.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    masters = [p.detach().float().clone() for p in params]
-    for m in masters:
-        m.grad = torch.zeros_like(m)
-    lc = cfg.learner
-    opt = torch.optim.AdamW(masters, lr=lc.lr, betas=lc.betas, weight_decay=lc.weight_decay)
-    sync()
-    res.setup_s = time.perf_counter() - t0
-    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    temp = cfg.rollout.temperature
-    slices = micro_batches(len(shard["prompt_ids"]), lc.micro_batch_size)
-    ph = Phases()
-
-    def step(instrument: bool) -> float:
-        total_loss = 0.0
-        for sl in slices:
-            t = time.perf_counter()
-            batch = collate(shard["prompt_ids"][sl], shard["response_ids"][sl], pad_id)
-            for name, value in vars(batch).items():  # every tensor field, as LearnerRank._to moves them
-                if torch.is_tensor(value):
-                    setattr(batch, name, value.to(dev))
-            width = batch.loss_mask.size(1)
-            sample_mask = torch.tensor(shard["sample_mask"][sl], dtype=torch.bool, device=dev)
-            loss_mask = batch.loss_mask & sample_mask[:, None]
-            if chunked:
-                logprobs, entropy = _chunked_scores(model, batch, temp, chunk_tokens)
-            else:
-                logits = response_logits(model, batch, temp)
-                logprobs = token_logprobs(logits, batch.response_ids)
-                with torch.no_grad():
-                    entropy = entropy_from_logits(logits.detach())
-            inputs = PolicyLossInputs(
-                behavior_logprobs=pad_per_token(shard["behavior_logprobs"][sl], width).to(dev),
-                advantages=pad_per_token(shard["advantages"][sl], width).to(dev),
-                loss_mask=loss_mask, proximal_logprobs=logprobs.detach(), ref_logprobs=None, entropy=entropy)
-            loss, metrics = compute_policy_loss(logprobs, inputs, cfg.algorithm, normalizer)
-            total_loss += metrics["loss"]
-            if instrument:
-                sync()
-                t1 = time.perf_counter()
-                ph.fwd += t1 - t
-            loss.backward()
-            for m, p in zip(masters, params):
-                m.grad.add_(p.grad)
-                p.grad = None
-            if instrument:
-                sync()
-                ph.bwd += time.perf_counter() - t1
-            if not chunked:
-                del logits
-            del logprobs, entropy, inputs, loss, batch
-        t = time.perf_counter()
-        torch.nn.utils.clip_grad_norm_(masters, lc.max_grad_norm)
-        opt.step()
-        with torch.no_grad():
-            for m, p in zip(masters, params):
-                p.copy_(m)
-                m.grad.zero_()
-        if instrument:
-            sync()
-            ph.opt += time.perf_counter() - t
-        return total_loss
-
-    for i in range(warmup):
-        loss0 = step(False)
-        if i == 0:
-            res.first_loss = loss0
-    sync()
-    reset_peak()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step(False)
-    sync()
-    res.s_per_step = (time.perf_counter() - t0) / steps
-    res.peak_gib = peak_gib()
-    step(True)
-    res.phases = asdict(ph)
-    del model, params, masters, opt
-    free_memory()
-
 
 # ---------------------------------------------------------------------------------------------------- main
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fmt_row(r: Result, ds_s: float | None) -> str:

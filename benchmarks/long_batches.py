@@ -115,7 +115,7 @@ def memory_row(args) -> dict:
     """One train_step measurement in this process (run as a child): peak RSS of the step, in GiB."""
     import torch
 
-    from benchmarks.learner_gpu import free_port
+    from benchmarks._gpu_common import free_port
     from learner.learner_actor import LearnerRank
     from learner.objective import count_normalizer
     from protocols.config import load_config
@@ -146,7 +146,7 @@ def memory_row(args) -> dict:
 
 
 def memory_table(args) -> list[str]:
-    from benchmarks.learner_gpu import build_model_folder
+    from benchmarks._gpu_common import build_model_folder
 
     lines = [f"learner peak RSS per train_step (GiB), tiny Qwen2 (hidden 64, 2 layers), vocab {args.vocab}, "
              f"{args.row_samples} samples/step, prompt {args.prompt_len}, fp32, gradient checkpointing on; "

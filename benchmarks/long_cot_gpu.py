@@ -12,7 +12,7 @@ Rows (DeepSpeed ZeRO-2, bf16, prompt 256 tokens, preset dapo, --samples per step
         --per-micro-batch x (prompt + response), packing on, gradient checkpointing per --new-grad-ckpt (so "checkpointing only where
         memory needs it" can be read off the table: off where it fits, on beyond).
 A row that runs out of memory prints OOM and the run goes on. Peak GiB is torch.cuda.max_memory_allocated over
-the row's steps (warm-up included, so optimizer state is counted). Helpers come from benchmarks/learner_gpu.py.
+the row's steps (warm-up included, so optimizer state is counted). Helpers come from benchmarks/_gpu_common.py.
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.learner_gpu import build_model_folder, free_memory, free_port, make_shard, sync  # noqa: E402
+from benchmarks._gpu_common import build_model_folder, free_memory, free_port, make_shard, sync  # noqa: E402
 
 
-def run_row(folder: Path, path: str, resp_len: int, grad_ckpt: bool, args, port: int) -> dict:
+def run_row(folder: Path, path: str, resp_len: int, grad_ckpt: bool, args, port: int,
+            keep_attention: bool = True) -> dict:
     from learner.learner_actor import LearnerRank
     from learner.objective import count_normalizer
     from protocols.config import load_config
@@ -50,6 +51,7 @@ def run_row(folder: Path, path: str, resp_len: int, grad_ckpt: bool, args, port:
         f"model.path={folder}", "algorithm.preset=dapo", "learner.zero_stage=2",
         f"learner.gradient_checkpointing={'true' if grad_ckpt else 'false'}",
         f"learner.uncheckpointed_layers={args.uncheckpointed_layers if path == 'new' else 0}",
+        f"learner.checkpoint_keeps_attention={'true' if keep_attention and path == 'new' else 'false'}",
         f"learner.prompts_per_step={max(1, args.samples // 2)}",
         "rollout.samples_per_prompt=2", f"rollout.max_response_tokens={resp_len}",
         f"data.max_prompt_tokens={args.prompt_len}", *learner_cfg])
@@ -57,7 +59,8 @@ def run_row(folder: Path, path: str, resp_len: int, grad_ckpt: bool, args, port:
     shard = make_shard(args.samples, args.prompt_len, resp_len, args.vocab, seed=resp_len)
     normalizer = count_normalizer(torch.ones(args.samples, resp_len, dtype=torch.bool), resp_len)
     learner = LearnerRank(cfg, 0, 1, str(folder))
-    out = {"path": path, "resp": resp_len, "gc": grad_ckpt, "samples": args.samples}
+    out = {"path": path, "resp": resp_len, "gc": grad_ckpt, "samples": args.samples,
+           "ka": keep_attention and path == "new" and grad_ckpt}
     try:
         learner.setup("127.0.0.1", port)
         if cuda:
@@ -81,7 +84,8 @@ def run_row(folder: Path, path: str, resp_len: int, grad_ckpt: bool, args, port:
 
 
 def fmt(row: dict) -> str:
-    head = f"{row['path']:4} {row['resp']:7d} {'on' if row['gc'] else 'off':3}"
+    gc_label = ("on+ka" if row.get("ka") else "on") if row["gc"] else "off"
+    head = f"{row['path']:4} {row['resp']:7d} {gc_label:5}"
     if "error" in row:
         return f"{head} {row['error']}"
     tok_s = row['resp'] * row['samples'] / row['s_per_step']
@@ -89,12 +93,12 @@ def fmt(row: dict) -> str:
             f"{row['loss']:11.4e}")
 
 
-HEADER = f"{'path':4} {'resp':>7} {'gc':3} {'s/step':>8} {'resp tok/s':>11} {'peak GiB':>8} {'loss':>11}"
+HEADER = f"{'path':4} {'resp':>7} {'gc':5} {'s/step':>8} {'resp tok/s':>11} {'peak GiB':>8} {'loss':>11}"
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="1.5b", help="0.5b, 1.5b (benchmarks/learner_gpu.py SHAPES), tiny on CPU")
+    ap.add_argument("--shape", default="1.5b", help="0.5b, 1.5b (benchmarks/_gpu_common.py SHAPES), tiny on CPU")
     ap.add_argument("--lengths", default="8192,32768,65536,131072", help="response tokens, comma list")
     ap.add_argument("--paths", default="old,new")
     ap.add_argument("--new-grad-ckpt", default="on", help="gradient checkpointing of the new path: on, off, on,off")
@@ -105,6 +109,9 @@ def main() -> int:
                     help="new path: samples packed in one micro-batch (token budget = this x prompt + response)")
     ap.add_argument("--uncheckpointed-layers", type=int, default=0,
                     help="new path with checkpointing on: decoder layers left without it (learner.uncheckpointed_layers)")
+    ap.add_argument("--keep-attention", default="on",
+                    help="new path with checkpointing on: keep attention outputs (learner.checkpoint_keeps_attention, "
+                         "'on+ka' rows): on, off, on,off")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=151936)
@@ -135,9 +142,11 @@ def main() -> int:
         for resp_len in lengths:
             for path in [p.strip() for p in args.paths.split(",")]:
                 gcs = [True] if path == "old" else [g.strip() == "on" for g in args.new_grad_ckpt.split(",")]
-                for gc_on in gcs:
+                kas = [k.strip() == "on" for k in args.keep_attention.split(",")]
+                variants = [(g, k) for g in gcs for k in (kas if g and path == "new" else [False])]
+                for gc_on, keep in variants:
                     try:
-                        row = run_row(folder, path, resp_len, gc_on, args, port)
+                        row = run_row(folder, path, resp_len, gc_on, args, port, keep)
                     except torch.cuda.OutOfMemoryError as err:
                         row = {"path": path, "resp": resp_len, "gc": gc_on,
                                "error": f"OOM ({str(err).splitlines()[0][:120]})"}

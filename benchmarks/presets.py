@@ -1,7 +1,7 @@
 """Runs the demo job once per algorithm preset and prints held-out greedy accuracy before and after.
 
-    python benchmarks/presets.py --steps 400 grpo dr_grpo dapo gspo cispo rloo
-Extra `section.key=value` arguments apply to every run.
+    python benchmarks/presets.py --steps 400 grpo dr_grpo dapo gspo cispo rloo ppo
+Extra `section.key=value` arguments apply to every run; `ppo` gets `critic.num_workers=1` unless given.
 """
 
 import argparse
@@ -17,11 +17,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("presets", nargs="*", default=["grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo"])
     args, overrides = parser.parse_known_args()
+    # `key=value` words land among the positional presets; they are overrides
+    overrides += [p for p in args.presets if "=" in p]
+    args.presets = [p for p in args.presets if "=" not in p] or parser.get_default("presets")
     results = []
     for preset in args.presets:
         out = tempfile.mkdtemp(prefix=f"relayrl_preset_{preset}_")
+        # ppo's GAE needs the critic group; the critic-free presets refuse one.
+        critic = ["critic.num_workers=1"] if preset == "ppo" and not any(o.startswith("critic.num_workers")
+                                                                          for o in overrides) else []
         cfg = load_config(None, [f"output_dir={out}", f"train.steps={args.steps}", f"algorithm.preset={preset}",
-                                 *overrides])
+                                 *critic, *overrides])
         trainer = Trainer(cfg)
         try:
             summary = trainer.run()

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-SHAPES = {  # Qwen2.5: hidden, layers, heads, kv heads, intermediate (benchmarks/learner_gpu.py SHAPES)
+SHAPES = {  # Qwen2.5: hidden, layers, heads, kv heads, intermediate (benchmarks/_gpu_common.py SHAPES)
     "0.5b": (896, 24, 14, 2, 4864),
     "1.5b": (1536, 28, 12, 2, 8960),
     "tiny": (128, 2, 2, 1, 256),

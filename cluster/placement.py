@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 
 from protocols.config import RunConfig
 
-ROLES = ("rollout", "learner", "reward")
+ROLES = ("rollout", "learner", "reward", "critic", "reference")
+"""Every actor group with a placement of its own; `critic` only when critic.num_workers > 0, `reference` only
+when reference.num_workers > 0."""
 STRATEGY = "PACK"
 """Every role's group packs its bundles on as few nodes as possible (Ray's PACK, best effort): learner ranks on
 one node talk over NVLink rather than the network. Each engine is one bundle, so its GPUs share a node."""
@@ -108,14 +110,30 @@ def plan_placement(cfg: RunConfig, roles: tuple[str, ...] = ROLES) -> PlacementP
                               gpu_shape=f"rollout.tensor_parallel_size={tp}", split_gpus=on_gpus),
         "reward": _role_plan("reward", "reward.num_workers", cfg.reward.num_workers, "cluster.reward_cpus",
                              c.reward_cpus, "cluster.reward_resources", c.reward_resources),
+        # Critic ranks: one GPU each, like learner ranks (DeepSpeed data parallel).
+        "critic": _role_plan("critic", "critic.num_workers", cfg.critic.num_workers, "critic.cpus", cfg.critic.cpus,
+                             "critic.resources", cfg.critic.resources, gpus=1.0 if on_gpus else 0.0,
+                             gpu_count=f"critic.num_workers={cfg.critic.num_workers}", gpu_shape="one critic rank"),
     }
-    return PlacementPlan([plans[r] for r in roles])
+    ref = cfg.reference
+    if ref.num_workers:  # one bundle per worker, each a whole copy of the reference model (plain data parallel)
+        plans["reference"] = _role_plan("reference", "reference.num_workers", ref.num_workers, "reference.cpus",
+                                        ref.cpus, "reference.resources", ref.resources,
+                                        gpus=ref.gpus if on_gpus else 0.0,
+                                        gpu_count=f"reference.num_workers={ref.num_workers} x reference.gpus="
+                                                  f"{_number(ref.gpus)}",
+                                        gpu_shape=f"reference.gpus={_number(ref.gpus)}")
+    if not cfg.critic.num_workers:
+        del plans["critic"]
+    return PlacementPlan([plans[r] for r in roles if r in plans])
 
 
 # --- checking a plan against nodes ----------------------------------------------------------------------------
 _EPS = 1e-9
-_FIX = {"GPU": "lower rollout.num_workers, rollout.tensor_parallel_size or learner.num_ranks, or add GPU nodes",
-        "CPU": "lower the worker counts or cluster.learner_cpus / rollout_cpus / reward_cpus, or add nodes "
+_FIX = {"GPU": "lower rollout.num_workers, rollout.tensor_parallel_size, learner.num_ranks, critic.num_workers or "
+               "reference.num_workers (or reference.gpus), or add GPU nodes",
+        "CPU": "lower the worker counts or cluster.learner_cpus / rollout_cpus / reward_cpus / critic.cpus / "
+               "reference.cpus, or add nodes "
                "(locally: raise cluster.num_cpus)"}
 
 

@@ -49,10 +49,12 @@ def start_ray(cfg: RunConfig) -> None:
 
 def _legacy_options(cfg: RunConfig, role: str) -> dict:
     """Resources of one actor of `role` outside any placement group (tests that start single actors)."""
-    c = cfg.cluster
-    cpus = {"rollout": c.rollout_cpus, "learner": c.learner_cpus, "reward": c.reward_cpus}[role]
-    gpus = {"rollout": cfg.rollout.tensor_parallel_size, "learner": 1, "reward": 0}[role] if c.use_gpus else 0
-    resources = {"rollout": c.rollout_resources, "learner": c.learner_resources, "reward": c.reward_resources}[role]
+    c, ref = cfg.cluster, cfg.reference
+    cpus = {"rollout": c.rollout_cpus, "learner": c.learner_cpus, "reward": c.reward_cpus, "reference": ref.cpus}[role]
+    gpus = {"rollout": cfg.rollout.tensor_parallel_size, "learner": 1, "reward": 0,
+            "reference": ref.gpus}[role] if c.use_gpus else 0
+    resources = {"rollout": c.rollout_resources, "learner": c.learner_resources, "reward": c.reward_resources,
+                 "reference": ref.resources}[role]
     return {"num_cpus": cpus, "num_gpus": gpus, **({"resources": dict(resources)} if resources else {})}
 
 
@@ -69,3 +71,8 @@ def learner_options(cfg: RunConfig, placement: Placement | None = None, index: i
 def reward_options(cfg: RunConfig, placement: Placement | None = None, index: int = 0) -> dict:
     """Ray options for reward worker `index`: its bundle of the run's placement."""
     return placement.options("reward", index) if placement else _legacy_options(cfg, "reward")
+
+
+def reference_options(cfg: RunConfig, placement: Placement | None = None, index: int = 0) -> dict:
+    """Ray options for reference worker `index`: its bundle of the run's placement."""
+    return placement.options("reference", index) if placement else _legacy_options(cfg, "reference")

@@ -15,23 +15,28 @@ import torch
 from tqdm import tqdm
 
 from actors.controller import ControllerActor
-from actors.reward_worker import RewardWorker, score_on_workers
+from actors.reference_worker import ReferenceWorker
+from actors.reward_worker import CounterPoll, RewardWorker, score_on_workers
 from actors.rollout_worker import RolloutWorker
+from cluster import checkpoint
+from cluster.critic_group import CriticGroup, check_critic_model, critic_model_path, critic_targets
+from cluster.evaluation import evaluate_sets, load_eval_sets
 from cluster.learner_group import LearnerGroup
 from cluster.placement import create_placement, precheck_embedded
-from cluster.ray_setup import reward_options, rollout_options, start_ray
+from cluster.plots import plot_after_run
+from cluster.ray_setup import reference_options, reward_options, rollout_options, start_ray
+from cluster.reference_stream import reward_kl, streamed_ref_logprobs
 from cluster.run_folder import RunFolder
+from cluster.supervisor import Supervisor
 from learner.objective import (
     apply_reward_shaping,
     compute_advantages,
     count_normalizer,
     finalize_metrics,
-    kl_for_reward,
     kl_in_reward,
-    needs_values,
 )
-from learner.batch import pad_per_token
-from protocols.config import RunConfig
+from protocols.config import RunConfig, dump_config
+from protocols.metrics import reward_worker_metrics, rollout_metrics
 from protocols.reward import RewardConfig
 from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup, WeightVersion
 from rewards.datasets import load_prompts
@@ -115,19 +120,28 @@ def evaluate(workers: list, prompts: list[Prompt], reward_workers: list, reward_
 class Trainer:
     """Owns the actor groups of one run. `run()` is the whole job; tests use the pieces."""
 
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, resume_dir: str | Path | None = None) -> None:
+        """`resume_dir`: continue the run in that folder from its newest complete checkpoint."""
         self.job_start = time.perf_counter()
+        # phase seconds and wall time of the run so far; a resumed run starts from the checkpoint's
+        self.totals: Counter = Counter()
+        self.wall_before = 0.0
         self.cfg = cfg
         # Fail on settings this version cannot run before any actor starts.
         resolve_verifier(cfg.reward.verifier)
-        if needs_values(cfg.algorithm):
-            raise ValueError(
-                f"algorithm.preset={cfg.algorithm.preset!r} uses advantage.type=gae, which needs a critic worker "
-                "group; this version does not start one yet. Choose a critic-free preset (grpo, rloo, dr_grpo, "
-                "dapo, gspo, cispo, reinforce, reinforce_pp)")
         precheck_embedded(cfg)
         self.model_path = resolve_model_path(cfg)
+        if cfg.critic.enabled:  # PPO's critic reads the policy's token ids: same tokenizer and vocabulary
+            check_critic_model(self.model_path, critic_model_path(cfg, self.model_path),
+                               cfg.model.trust_remote_code)
         self.cfg = cfg = fit_lengths_to_model(cfg, self.model_path)
+        # --resume: the checkpoint must be complete and its shapes this config's, checked before any actor starts
+        if resume_dir is not None and Path(resume_dir).resolve() != Path(cfg.output_dir).resolve():
+            raise checkpoint.CheckpointError(f"resuming the run in {resume_dir} needs output_dir={resume_dir}, got "
+                                             f"output_dir={cfg.output_dir!r}: a resumed run continues in its folder")
+        self.resume_from = checkpoint.find_resume_checkpoint(resume_dir) if resume_dir is not None else None
+        if self.resume_from is not None:
+            checkpoint.check_compatible(self.resume_from, cfg.model_dump(mode="json"), self.model_path)
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=cfg.model.trust_remote_code)
@@ -135,6 +149,8 @@ class Trainer:
         self.eval_prompts, eval_counts = load_prompts(cfg.data, "test", tokenizer)
         self.eval_prompts = self.eval_prompts[: cfg.data.num_eval_prompts]
         self.data_counts = {k: self.data_counts.get(k, 0) + eval_counts.get(k, 0) for k in {**self.data_counts, **eval_counts}}
+        # train.eval_sets for the evaluation harness, loaded (and a bad file refused) before any actor starts
+        self.eval_sets = load_eval_sets(cfg, tokenizer)
         start_ray(cfg)
         # Refuses a plan the cluster cannot hold (with the numbers) before any actor starts.
         self.placement = create_placement(cfg)
@@ -146,24 +162,43 @@ class Trainer:
         self.reward_workers = [ray.remote(RewardWorker).options(**reward_options(cfg, self.placement, i)).remote(
                                    cfg.reward, i)
                                for i in range(cfg.reward.num_workers)]
+        self.reward_counters = CounterPoll(self.reward_workers)
+        # reference.num_workers > 0: the frozen reference scores groups on their way to the queue (the learner
+        # ranks then hold no copy of it); 0 keeps it inside the learner.
+        self.reference_workers = [
+            ray.remote(ReferenceWorker).options(**reference_options(cfg, self.placement, i)).remote(
+                cfg, i, self.model_path)
+            for i in range(cfg.reference.num_workers)]
         self.learner = LearnerGroup(cfg, self.model_path, self.placement)
+        self.critic = (CriticGroup(cfg, critic_model_path(cfg, self.model_path), self.placement)
+                       if cfg.critic.enabled else None)
+        if self.critic is not None:
+            ray.get(self.controller.set_critic_actor_ids.remote(self.critic.actor_ids()))
         self.rollout_workers = [
             ray.remote(RolloutWorker).options(**rollout_options(cfg, self.placement, i)).remote(
-                cfg, i, self.model_path, self.controller, self.reward_workers)
+                cfg, i, self.model_path, self.controller, self.reward_workers,
+                critic_workers=self.critic.workers if self.critic else None, reference_workers=self.reference_workers)
             for i in range(cfg.rollout.num_workers)
         ]
+        ray.get([w.ping.remote() for w in self.reference_workers])
         ray.get([w.get_version.remote() for w in self.rollout_workers])
         if cfg.weight_sync.type == "collective":
             self.learner.join_weight_group(self.rollout_workers)
+        # worker failure: health checks, replacements (in these same lists) and bounded waits
+        self.supervisor = Supervisor(cfg, self.placement, self.controller, self.model_path, self.learner,
+                                     self.rollout_workers, self.reward_workers, self.critic,
+                                     self.reference_workers)
         self.version = 0
         self.trained_group_ids: list[str] = []
+        self.accuracy_before: float | None = None
+        self.eval_before: dict = {}
+        self.resume_report: dict = {}
+        if self.resume_from is not None:
+            self._restore(self.resume_from)
 
     def _wait_for_batch(self) -> tuple[list[TrajectoryGroup], float]:
-        start = time.perf_counter()
-        while True:  # a long poll: the controller answers once the batch is complete (or after 1 s)
-            groups = ray.get(self.controller.wait_batch.remote(self.version, 1.0))
-            if groups is not None:
-                return groups, time.perf_counter() - start
+        # a long poll on the controller, replacing dead workers meanwhile, within fault.batch_timeout_s
+        return self.supervisor.wait_batch(self.version)
 
     def step(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
         """One learner update on a batch of groups, then publish the new weights."""
@@ -182,19 +217,33 @@ class Trainer:
             "behavior_logprobs": [t.behavior_logprobs for t in trajectories],
             "sample_mask": sample_mask.tolist(),
         }
+        if self.reference_workers:  # streamed with the trajectories; the learner ranks read them for the KL
+            samples["ref_logprobs"] = streamed_ref_logprobs(trajectories)
         kl = None
         if kl_in_reward(cfg.algorithm):
-            ref = pad_per_token(self.learner.ref_logprobs(samples), bt["width"])
-            behavior = pad_per_token(samples["behavior_logprobs"], bt["width"])
-            kl = kl_for_reward(behavior, ref, loss_mask, cfg.algorithm)
-        advantages = compute_advantages(rewards, loss_mask, cfg.rollout.samples_per_prompt, cfg.algorithm, kl=kl)
+            ref = samples["ref_logprobs"] if self.reference_workers else self.learner.ref_logprobs(samples)
+            kl = reward_kl(samples["behavior_logprobs"], ref, loss_mask, cfg.algorithm)
+        values = returns = None
+        if self.critic is not None:  # PPO: GAE over the values stamped in the stream; the returns train the critic
+            values, returns = critic_targets(trajectories, rewards, loss_mask, cfg.algorithm, kl)
+        advantages = compute_advantages(rewards, loss_mask, cfg.rollout.samples_per_prompt, cfg.algorithm, kl=kl,
+                                        values=values)
         samples["advantages"] = [row[: len(r)].tolist() for row, r in zip(advantages, samples["response_ids"])]
         normalizer = count_normalizer(loss_mask, cfg.rollout.max_response_tokens)
         t0 = time.perf_counter()
+        critic_update, critic_metrics = None, {}
+        if self.critic is not None:  # the critic's update runs while the policy's does
+            critic_update = self.critic.start_train(
+                samples, [row[: len(r)].tolist() for row, r in zip(returns, samples["response_ids"])],
+                [t.values for t in trajectories])
         summed = self.learner.train_step(samples, normalizer)
+        if critic_update is not None:
+            critic_metrics = self.critic.finish(critic_update)
+            critic_metrics["critic/staleness_max"] = float(self.version - min(t.critic_version for t in trajectories))
         learner_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        published = self.learner.publish_weights(self.version + 1)
+        # the supervisor's: a collective broadcast that meets a dead engine is resent after its replacement
+        published = self.supervisor.publish_weights(self.version + 1)
         self.version += 1
         weights = WeightVersion(version=self.version, num_tensors=published["num_tensors"],
                                 num_bytes=published["num_bytes"])
@@ -206,6 +255,7 @@ class Trainer:
         return {
             **{f"reward/error_{kind}": count for kind, count in errors.items()},
             **finalize_metrics(summed),
+            **critic_metrics,
             **staleness_metrics(trajectories, self.version - 1),
             "reward/mean": float(bt["rewards"].mean()),
             "reward/shaped_mean": float(rewards.mean()),
@@ -222,14 +272,15 @@ class Trainer:
 
     def run(self) -> dict:
         cfg = self.cfg
-        folder = RunFolder(cfg)
-        eval_before: dict = {}
-        accuracy_before = evaluate(self.rollout_workers, self.eval_prompts, self.reward_workers, cfg.reward,
-                                   report=eval_before)
+        folder = RunFolder(cfg, resume_step=self.version if self.resume_from is not None else None)
+        if self.resume_from is None:
+            self.accuracy_before = evaluate(self.rollout_workers, self.eval_prompts, self.reward_workers, cfg.reward,
+                                            report=self.eval_before)
+        accuracy_before, eval_before = self.accuracy_before, self.eval_before
         log.warning("held-out accuracy before training: %.3f", accuracy_before)
-        run_refs = [w.run.remote() for w in self.rollout_workers]
-        totals = Counter()
-        bar = tqdm(range(cfg.train.steps), desc="train", dynamic_ncols=True)
+        self.supervisor.start_runs()
+        totals = self.totals
+        bar = tqdm(range(self.version, cfg.train.steps), desc="train", dynamic_ncols=True)
         for _ in bar:
             step_start = time.perf_counter()
             groups, wait_s = self._wait_for_batch()
@@ -239,26 +290,33 @@ class Trainer:
             totals.update({"wait_s": wait_s, "learner_s": metrics["time/learner_s"],
                            "publish_s": metrics["time/publish_s"], "step_s": metrics["time/step_s"]})
             if cfg.train.eval_every and self.version % cfg.train.eval_every == 0 and self.version < cfg.train.steps:
-                metrics["eval/accuracy"] = self._evaluate_midway(run_refs, report=metrics)
-                run_refs = [w.run.remote() for w in self.rollout_workers]
+                metrics["eval/accuracy"] = self._evaluate_midway(report=metrics)
             if cfg.train.save_every and self.version % cfg.train.save_every == 0:
-                self.save_checkpoint(folder.path / "checkpoints" / f"step_{self.version:06d}")
+                self.save_checkpoint(folder.path)
             if self.version % cfg.train.log_every == 0:
                 metrics.update(ray.get(self.controller.stats.remote()))
                 metrics.update(self._rollout_metrics())
+                metrics.update(self.supervisor.metrics())
+                metrics.update(self.reward_counters.read())
                 metrics.update(self.data_counts)
                 folder.log(self.version, metrics)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", acc=f"{metrics['reward/accuracy']:.2f}")
-        ray.get(self.controller.stop.remote())
-        worker_reports = ray.get(run_refs)
+        self.supervisor.stop_runs()
+        worker_reports = self.supervisor.reports()
+        self.supervisor.ensure_alive()
         self._sync_idle_workers()
         eval_after: dict = {}
         accuracy_after = evaluate(self.rollout_workers, self.eval_prompts, self.reward_workers, cfg.reward,
                                   report=eval_after)
         log.warning("held-out accuracy after training: %.3f", accuracy_after)
+        eval_after.update(evaluate_sets(self.rollout_workers, self.reward_workers, self.eval_sets, cfg, self.version))
         self.learner.save_hf(folder.final_model_dir)
+        if self.critic is not None:
+            self.critic.save(str(Path(folder.final_model_dir).parent / "final_critic"))
         stats = ray.get(self.controller.stats.remote())
-        wall = time.perf_counter() - self.job_start
+        self.reward_counters.read(wait_s=30.0)
+        reward_totals = reward_worker_metrics([self.reward_counters.total])
+        wall = self.wall_before + time.perf_counter() - self.job_start
         summary = {
             "accuracy_before": accuracy_before,
             # held-out checks that failed (verifier error or timeout, reward worker lost) count as wrong
@@ -271,29 +329,77 @@ class Trainer:
             "phase_seconds": {k: totals[k] for k in ("wait_s", "learner_s", "publish_s")},
             "rollout": worker_reports,
             "queue": stats,
+            "replaced_workers": self.supervisor.replaced_counts(),
+            "restart_seconds": list(self.supervisor.restart_seconds),
+            "resent_publishes": self.supervisor.resent_publishes,
+            "learner_skipped_nonfinite": int(metrics.get("learner/skipped_nonfinite", 0)),
+            # every reward worker's counters over the whole run (the metrics.jsonl lines are per logged step)
+            "reward_workers": reward_totals,
             "final_model": folder.final_model_dir,
+            "trained_group_ids": list(self.trained_group_ids),
+            **({"resume": self.resume_report} if self.resume_report else {}),
         }
         folder.write_summary(summary)
         folder.close()
+        plot_after_run(folder.path)  # PNG figures of metrics.jsonl in RUN_DIR/plots (cluster/plots.py)
         return summary
 
-    def save_checkpoint(self, path: Path) -> None:
-        """The policy in HF format plus the controller's state (data cursor, queue, counters) as JSON."""
-        self.learner.save_hf(str(path))
-        state = {"policy_version": self.version, "controller": ray.get(self.controller.state_dict.remote())}
-        (path / "controller_state.json").write_text(json.dumps(state))
+    def save_checkpoint(self, run_dir: Path) -> Path:
+        """Checkpoint the run between two steps into run_dir/checkpoints/step_N (layout, atomic write, `latest`
+        and pruning: cluster/checkpoint.py). The controller's state is read after the learner's: groups that
+        arrive meanwhile were leased at that read, so a resume re-issues them. Returns the folder."""
+        def write(folder: Path) -> None:
+            self.learner.save_hf(str(folder / "policy"))
+            (folder / "learner").mkdir()
+            digests = self.learner.save_state(str(folder / "learner"))
+            critic_version = None
+            if self.critic is not None:  # PPO's value model and its optimizer resume with the policy
+                (folder / "critic").mkdir()
+                critic_version = self.critic.save_state(str(folder / "critic"))
+            state = {"policy_version": self.version, "metrics_step": self.version, "critic_version": critic_version,
+                     "trained_group_ids": self.trained_group_ids, "accuracy_before": self.accuracy_before,
+                     "eval_before": self.eval_before, "optimizer_digests": digests,
+                     "phase_totals": dict(self.totals),
+                     "wall_seconds": self.wall_before + time.perf_counter() - self.job_start,
+                     "controller": ray.get(self.controller.state_dict.remote())}
+            (folder / "state.json").write_text(json.dumps(state))
+            (folder / "config.yaml").write_text(dump_config(self.cfg))
+
+        return checkpoint.save(run_dir, self.version, self.cfg.train.keep_checkpoints, write)
+
+    def _restore(self, folder: Path) -> None:
+        """Continue from a checkpoint: the learner (weights, optimizer, RNG states), the controller (cursor, queue,
+        counters, groups in flight to re-issue), the driver's counters; then publish the restored weights so the
+        rollout workers (started on the initial model) load them before they take any work."""
+        state = checkpoint.read_state(folder)
+        loaded = self.learner.load_state(str(folder / "learner"))
+        if loaded != state["optimizer_digests"]:
+            raise RuntimeError(f"--resume from {folder}: the learner's optimizer state after loading ({loaded}) "
+                               f"differs from the one saved ({state['optimizer_digests']}); the checkpoint is damaged")
+        if self.critic is not None:
+            if state.get("critic_version") is None:
+                raise checkpoint.CheckpointError(f"--resume from {folder}: this run has a critic (critic.num_workers="
+                                                 f"{self.cfg.critic.num_workers}) but the checkpoint holds none")
+            self.critic.load_state(str(folder / "critic"))
+        ray.get(self.controller.load_state_dict.remote(state["controller"]))
+        self.version = state["policy_version"]
+        self.trained_group_ids = list(state["trained_group_ids"])
+        self.accuracy_before, self.eval_before = state["accuracy_before"], state["eval_before"]
+        # the summary's timings cover the whole run up to this checkpoint plus what follows; the time between
+        # the checkpoint and the crash is not counted
+        self.totals = Counter(state.get("phase_totals", {}))
+        self.wall_before = float(state.get("wall_seconds", 0.0))
+        published = self.learner.publish_weights(self.version)
+        weights = WeightVersion(version=self.version, num_tensors=published["num_tensors"],
+                                num_bytes=published["num_bytes"])
+        ray.get(self.controller.publish.remote(weights, published["refs"]))
+        self.resume_report = {"checkpoint": str(folder), "policy_version": self.version,
+                              "reissued_groups": len(state["controller"]["in_flight"]), "optimizer_loaded": loaded}
+        log.warning("resumed from %s at policy version %d (%d groups in flight re-issued)", folder, self.version,
+                    self.resume_report["reissued_groups"])
 
     def _rollout_metrics(self) -> dict[str, float]:
-        reports = ray.get(self.controller.get_worker_stats.remote())
-        if not reports:
-            return {}
-        wall = sum(r["wall_s"] for r in reports.values())
-        gen = sum(r["generate_s"] for r in reports.values())
-        return {
-            "rollout/idle_frac": sum(r["idle_s"] for r in reports.values()) / max(wall, 1e-9),
-            "rollout/tokens_per_s": sum(r["tokens"] for r in reports.values()) / max(gen, 1e-9),
-            "rollout/sync_s_total": sum(r["sync_s"] for r in reports.values()),
-        }
+        return rollout_metrics(ray.get(self.controller.get_worker_stats.remote()).values())
 
     def _sync_idle_workers(self) -> None:
         """After the loop, bring every worker to the last published weights (for evaluation)."""
@@ -303,25 +409,31 @@ class Trainer:
         versions = ray.get([w.get_version.remote() for w in self.rollout_workers])
         ray.get([w.load_weights.remote(*latest) for w, v in zip(self.rollout_workers, versions) if v < latest[0]])
 
-    def _evaluate_midway(self, run_refs: list, report: dict | None = None) -> float:
-        """Pause generation, evaluate with the newest weights, and let the caller restart the workers."""
-        ray.get(self.controller.stop.remote())
-        ray.get(run_refs)
+    def _evaluate_midway(self, report: dict | None = None) -> float:
+        """Pause generation, evaluate with the newest weights, and restart the workers."""
+        self.supervisor.stop_runs()
+        self.supervisor.ensure_alive()
         self._sync_idle_workers()
         accuracy = evaluate(self.rollout_workers, self.eval_prompts, self.reward_workers, self.cfg.reward,
                             report=report)
+        if report is not None:
+            report.update(evaluate_sets(self.rollout_workers, self.reward_workers, self.eval_sets, self.cfg,
+                                        self.version))
         ray.get(self.controller.resume.remote())
+        self.supervisor.start_runs()
         return accuracy
 
     def shutdown(self) -> None:
         self.learner.shutdown()
-        for actor in [*self.rollout_workers, *self.reward_workers, self.controller]:
+        if self.critic is not None:
+            self.critic.shutdown()
+        for actor in [*self.rollout_workers, *self.reward_workers, *self.reference_workers, self.controller]:
             ray.kill(actor)
         self.placement.remove()
 
 
-def train(cfg: RunConfig) -> dict:
-    trainer = Trainer(cfg)
+def train(cfg: RunConfig, resume_dir: str | Path | None = None) -> dict:
+    trainer = Trainer(cfg, resume_dir)
     try:
         return trainer.run()
     finally:

@@ -3,7 +3,8 @@
 The driver sends each rank its shard of the global batch (whole samples, advantages already computed on the
 whole batch) and the number of micro-batches every rank runs; the rank groups its samples into that many
 micro-batches (by sample count, or by token budget with learner.max_tokens_per_micro_batch), then takes one
-optimizer step. Loss values are shares of the global loss (global normalizers), scaled by the world size because
+optimizer step. A batch that makes several steps (learner/update_plan.py) comes one mini-batch per call. Loss
+values are shares of the mini-batch's loss (its global normalizers), scaled by the world size because
 DeepSpeed averages gradients over ranks: the summed gradient is then the same for 1 or N ranks, whatever the
 split. Weights leave through the transport that `weight_sync.type` names (learner/weight_transport.py): the Ray
 object store, or a broadcast to the engines.
@@ -13,13 +14,14 @@ micro-batch is one packed row, each rank runs a 1/sp slice of it (Ulysses attent
 and the loss scale is the number of groups (DeepSpeed sums gradients over the SP ranks and averages over groups).
 """
 
-import os
 import time
 
 import torch
 
-from learner.batch import collate, collate_packed, pad_per_token, score_responses
+from learner.batch import pad_per_token, score_responses
+from learner.lr_schedule import warmup_schedule
 from learner.micro_batches import check_fits_context
+from learner.nonfinite import agree, check_skipped, is_nonfinite, poison
 from learner.objective import (
     LossNormalizer,
     PolicyLossInputs,
@@ -27,8 +29,12 @@ from learner.objective import (
     compute_policy_loss,
     needs_ref_logprobs,
 )
+from learner.rank_checkpoint import RankCheckpoint
 from learner.rank_setup import (
+    DTYPES,
+    DeepSpeedRank,
     attention_implementation,
+    deepspeed_config,
     enable_gradient_checkpointing,
     micro_batches,
     peak_memory_gib,
@@ -36,6 +42,7 @@ from learner.rank_setup import (
     reset_peak_memory,
     sample_tokens,
 )
+from learner.shard_scoring import collate_micro_batch, score_shard
 from learner.sequence_parallel import (
     gather_sequence,
     pack_row,
@@ -49,23 +56,19 @@ from learner.weight_transport import CollectiveSender, HostBuffers, host_arrays,
 from learner.weight_wire import BucketLayout, WeightMeta, open_weight_group
 from protocols.config import RunConfig
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+class LearnerRank(DeepSpeedRank, RankCheckpoint):
+    """The checkpoint and state methods (save_state, load_state, optimizer_digest, state_snapshot) come from
+    learner/rank_checkpoint.py."""
 
-class LearnerRank:
     def __init__(self, cfg: RunConfig, rank: int, world_size: int, model_path: str) -> None:
-        self.cfg = cfg
-        self.rank = rank
-        self.world_size = world_size
-        self.model_path = model_path
-        self.use_cuda = torch.cuda.is_available() and cfg.cluster.use_gpus
-        if not self.use_cuda:
-            os.environ["DS_ACCELERATOR"] = "cpu"
-        self.engine = None
+        super().__init__(cfg, rank, world_size, model_path)
         self.host_buffers = HostBuffers(pin_memory=self.use_cuda)
         self.weight_sender: CollectiveSender | None = None
         self.sp = cfg.learner.sequence_parallel_size
         self.groups = None  # SequenceParallelGroups when sp > 1
+        self.skipped_nonfinite = 0
+        """Updates skipped because the loss or the gradient norm was NaN or infinite (learner/nonfinite.py)."""
 
     def setup(self, master_addr: str, master_port: int) -> int:
         """Join the process group and build the DeepSpeed engine. All ranks must call it together."""
@@ -74,26 +77,23 @@ class LearnerRank:
 
         cfg = self.cfg
         backend = cfg.learner.backend if cfg.learner.backend != "auto" else ("nccl" if self.use_cuda else "gloo")
-        os.environ.update({"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": "0",
-                           "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
-                                   rank=self.rank, world_size=self.world_size,
-                                   init_method=f"tcp://{master_addr}:{master_port}")
-        torch.manual_seed(cfg.train.seed)
+        self._join_process_group(deepspeed.init_distributed, master_addr, master_port, backend)
         dtype = DTYPES[cfg.model.dtype]
         attn = attention_implementation(self.use_cuda, cfg.learner.packing or self.sp > 1, dtype)
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype, attn_implementation=attn,
                                                      trust_remote_code=cfg.model.trust_remote_code)
         if cfg.learner.gradient_checkpointing:
-            enable_gradient_checkpointing(model, cfg.learner.uncheckpointed_layers)
+            enable_gradient_checkpointing(model, cfg.learner.uncheckpointed_layers,
+                                          cfg.learner.checkpoint_keeps_attention)
         mpu = None
         if self.sp > 1:
             from learner.sequence_parallel_rank import enable_sequence_parallel
 
             self.groups, mpu = enable_sequence_parallel(model, self.sp)
         self.ref_model = None
-        if needs_ref_logprobs(cfg.algorithm):
-            # Frozen initial policy for the KL term. A separate reference worker group replaces this for big models.
+        if needs_ref_logprobs(cfg.algorithm) and cfg.reference.num_workers == 0:
+            # Frozen initial policy for the KL term. With reference.num_workers > 0 the reference workers send
+            # its log-probs with every trajectory instead, and the rank holds no second copy of the model.
             self.ref_model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype,
                                                                   attn_implementation=attn).eval()
             self.ref_model.requires_grad_(False)
@@ -114,43 +114,31 @@ class LearnerRank:
         self.num_micro = len(micro_batches(per_rank, cfg.learner.micro_batch_size))
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learner.lr, betas=cfg.learner.betas,
                                       weight_decay=cfg.learner.weight_decay)
-        ds_config = {
-            # One "DeepSpeed micro-batch" per forward/backward whatever it holds: the count of micro-batches varies
-            # from step to step (token budgets), so train_step sets the accumulation boundary itself and scales
-            # the loss itself (global normalizers); DeepSpeed never divides by its gradient_accumulation_steps.
-            "train_micro_batch_size_per_gpu": 1,
-            "gradient_accumulation_steps": self.num_micro,
-            "gradient_clipping": cfg.learner.max_grad_norm,
-            "zero_optimization": {"stage": cfg.learner.zero_stage},
-            "zero_allow_untested_optimizer": True,
-            "bf16": {"enabled": cfg.model.dtype == "bfloat16"},
-            "fp16": {"enabled": cfg.model.dtype == "float16"},
-            "steps_per_print": 10**9,
-            "wall_clock_breakdown": False,
-        }
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config, mpu=mpu)
+        ds_config = deepspeed_config(self.num_micro, cfg.learner.max_grad_norm, cfg.learner.zero_stage,
+                                     cfg.model.dtype)
+        # DeepSpeed steps the schedule at every accumulation boundary, i.e. once per optimizer step.
+        schedule = warmup_schedule(optimizer, cfg.learner.lr_warmup_steps) if cfg.learner.lr_warmup_steps else None
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
+                                               config=ds_config, mpu=mpu)
         return self.num_micro
 
     # --- scoring ---------------------------------------------------------------------------------------------
-    def _device(self) -> torch.device:
-        return self.engine.device if self.use_cuda else torch.device("cpu")
-
-    def _to(self, batch):
-        dev = self._device()
-        for name, value in vars(batch).items():
-            if torch.is_tensor(value):
-                setattr(batch, name, value.to(dev))
-        return batch
-
     def _collate(self, shard: dict, idx: list[int]):
-        """Micro-batch tensors for samples `idx`; an empty list (a padding micro-batch) gets this rank's shortest
-        sample, which the caller masks out, so the forward/backward still runs and every rank's collectives line
-        up."""
-        rows = idx or [min(range(len(shard["prompt_ids"])), key=lambda i: len(shard["prompt_ids"][i])
-                           + len(shard["response_ids"][i]))]
-        make = collate_packed if self.cfg.learner.packing else collate
-        batch = make([shard["prompt_ids"][i] for i in rows], [shard["response_ids"][i] for i in rows], self.pad_id)
-        return self._to(batch), rows
+        """Micro-batch tensors for samples `idx` on the rank's device (learner/shard_scoring.py: an empty list
+        gets this rank's shortest sample, which the caller masks out)."""
+        return collate_micro_batch(shard, idx, self.cfg.learner.packing, self.pad_id, self._device())
+
+    def _streamed_ref(self, shard: dict, rows: list[int], width: int) -> torch.Tensor | None:
+        """(B, T) reference log-probs the reference workers sent with the samples `rows` (reference.num_workers
+        > 0), or None when this rank scores the reference itself or no KL needs it."""
+        if self.ref_model is not None or not needs_ref_logprobs(self.cfg.algorithm):
+            return None
+        if shard.get("ref_logprobs") is None:
+            raise ValueError(
+                f"reference.num_workers={self.cfg.reference.num_workers} with algorithm.kl.beta="
+                f"{self.cfg.algorithm.kl.beta}: the learner holds no reference model, so every sample must bring "
+                "its `ref_logprobs` (the trainer adds them from the trajectories); this batch has none")
+        return pad_per_token([shard["ref_logprobs"][i] for i in rows], width).to(self._device())
 
     def _sp_slice(self, shard: dict, idx: list[int], per_token: tuple[str, ...] = ()):
         """(the whole packed row, this rank's slice of it on the device, the sample indices in the row) for the
@@ -168,8 +156,8 @@ class LearnerRank:
 
     @torch.no_grad()
     def _score_shard(self, model, shard: dict, count: int | None) -> list[list[float]]:
-        out: list[list[float] | None] = [None] * len(shard["prompt_ids"])
         if self.sp > 1:
+            out: list[list[float] | None] = [None] * len(shard["prompt_ids"])
             for idx in plan_micro_batches(shard, self.cfg, count):
                 row, piece, _ = self._sp_slice(shard, idx)
                 lps, _ = sequence_parallel_scores(model, piece, self.cfg.rollout.temperature,
@@ -178,15 +166,16 @@ class LearnerRank:
                 for values, i in zip(response_values(whole, row), idx):
                     out[i] = values
             return out
-        for idx in plan_micro_batches(shard, self.cfg, count):
-            batch, rows = self._collate(shard, idx)
-            lps, _ = score_responses(model, batch, self.cfg.rollout.temperature, self.cfg.learner.logits_chunk_tokens)
-            for row, i in zip(lps.cpu(), idx):
-                out[i] = row[: len(shard["response_ids"][i])].tolist()
-        return out
+        return score_shard(model, shard, self.cfg, count, self.pad_id, self._device())
 
     def ref_logprobs(self, shard: dict, num_micro_batches: int | None = None) -> list[list[float]]:
-        """Reference-policy log-probs of each response token (for KL placed in the reward)."""
+        """Reference-policy log-probs of each response token (for KL placed in the reward), when the rank holds
+        the reference model (reference.num_workers = 0)."""
+        if self.ref_model is None:
+            raise RuntimeError(
+                f"this learner rank holds no reference model (reference.num_workers={self.cfg.reference.num_workers}, "
+                f"algorithm.kl.beta={self.cfg.algorithm.kl.beta}): with reference workers the reference log-probs "
+                "come with the trajectories (Trajectory.ref_logprobs)")
         return self._score_shard(self.ref_model, shard, num_micro_batches)
 
     def policy_logprobs(self, shard: dict, num_micro_batches: int | None = None) -> list[list[float]]:
@@ -202,7 +191,8 @@ class LearnerRank:
     def train_step(self, shard: dict, normalizer: LossNormalizer,
                    num_micro_batches: int | None = None) -> dict[str, float]:
         """One optimizer step on this rank's shard. `shard` holds per-sample lists: prompt_ids, response_ids,
-        behavior_logprobs, advantages (per token), sample_mask. num_micro_batches: how many forward/backward
+        behavior_logprobs, advantages (per token), sample_mask, and proximal_logprobs (per token) when the driver
+        scored them before the batch's first update (several updates per batch, decoupled mode). num_micro_batches: how many forward/backward
         passes every rank runs this step (the driver's count; None: as many as this rank needs, fine for one
         rank). Returns summed metrics (see finalize_metrics), plus learner/real_tokens and
         learner/processed_tokens (padding included), learner/micro_batches_max and learner/peak_gib_max."""
@@ -219,7 +209,9 @@ class LearnerRank:
         # explicitly below, so a count that changes between steps never meets a stale micro-step counter.
         self.engine.set_train_batch_size(len(plan) * self.world_size)
         summed: dict[str, float] = {"learner/real_tokens": 0.0, "learner/processed_tokens": 0.0}
+        lr = self.engine.get_lr()[0]  # this step's: the schedule moves on at the step's boundary
         self.engine.train()
+        nonfinite = False
         for k, idx in enumerate(plan):
             batch, rows = self._collate(shard, idx)
             width = batch.loss_mask.size(1)
@@ -228,17 +220,24 @@ class LearnerRank:
                 sample_mask[:] = False
             loss_mask = batch.loss_mask & sample_mask[:, None]
             logprobs, entropy, ref = self._policy_and_ref_scores(score_responses, batch)
+            if ref is None:
+                ref = self._streamed_ref(shard, rows, width)
+            proximal = logprobs.detach()
+            if "proximal_logprobs" in shard:
+                proximal = pad_per_token([shard["proximal_logprobs"][i] for i in rows], width).to(dev)
             inputs = PolicyLossInputs(
                 behavior_logprobs=pad_per_token([shard["behavior_logprobs"][i] for i in rows], width).to(dev),
                 advantages=pad_per_token([shard["advantages"][i] for i in rows], width).to(dev),
                 loss_mask=loss_mask,
-                # One optimizer step per batch: the policy before the update is the one computing `logprobs`,
-                # so the proximal log-probs of decoupled PPO come free, without a second forward pass.
-                proximal_logprobs=logprobs.detach(),
+                # Several updates per batch: the driver scored them before the first (shard["proximal_logprobs"]).
+                # One: the policy before the update is the one computing `logprobs`, so the proximal log-probs of
+                # decoupled PPO come free, without a second forward pass.
+                proximal_logprobs=proximal,
                 ref_logprobs=ref,
                 entropy=entropy,
             )
             loss, metrics = compute_policy_loss(logprobs, inputs, cfg.algorithm, normalizer)
+            loss, nonfinite = self._guard_nonfinite(loss, logprobs, nonfinite, k == len(plan) - 1, dev)
             self.engine.set_gradient_accumulation_boundary(k == len(plan) - 1)
             # DeepSpeed averages gradients over ranks; the loss is this micro-batch's share of the global sum.
             self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
@@ -247,7 +246,7 @@ class LearnerRank:
             summed["learner/processed_tokens"] += float(batch.processed_tokens)
             summed = combine_metrics([summed, {key: float(value) for key, value in metrics.items()}])
             del logprobs, entropy, inputs, loss, batch
-        return self._finish_step(summed, start, len(plan), dev)
+        return self._finish_step(summed, start, len(plan), dev, lr, nonfinite)
 
     def _policy_and_ref_scores(self, score, batch):
         """(log-probs with grad, entropy (with grad only for an entropy bonus), reference log-probs or None) of one
@@ -262,14 +261,34 @@ class LearnerRank:
                 ref, _ = score(self.ref_model, batch, cfg.rollout.temperature, cfg.learner.logits_chunk_tokens)
         return logprobs, entropy, ref
 
+    def _guard_nonfinite(self, loss: torch.Tensor, logprobs: torch.Tensor, nonfinite: bool, last: bool,
+                         dev: torch.device) -> tuple[torch.Tensor, bool]:
+        """(the loss to backward, whether the step so far saw a non-finite loss). Before the step's last backward
+        every rank agrees (all-reduce) and, if any saw one, makes its gradient non-finite so the optimizer's
+        global norm check skips the update on every rank (learner/nonfinite.py)."""
+        nonfinite = nonfinite or is_nonfinite(loss)
+        if last:
+            nonfinite = agree(nonfinite, dev)
+            if nonfinite:
+                loss = poison(loss, logprobs)
+        return loss, nonfinite
+
     def _finish_step(self, summed: dict[str, float], start: float, num_micro: int,
-                     dev: torch.device) -> dict[str, float]:
-        """The step's rank-level readings, added to its summed metrics after the optimizer step."""
+                     dev: torch.device, lr: float, nonfinite: bool = False) -> dict[str, float]:
+        """The step's rank-level readings, added to its summed metrics after the optimizer step; `lr` is the
+        learning rate the step used."""
         grad_norm = self.engine.get_global_grad_norm()
+        # A NaN/inf loss or gradient norm: the optimizer dropped the step (weights and moments unchanged).
+        self.skipped_nonfinite += check_skipped(nonfinite, grad_norm)
+        summed["learner/skipped_nonfinite_max"] = float(self.skipped_nonfinite)
         summed["grad_norm_max"] = float(grad_norm) if grad_norm is not None else 0.0
         summed["learner_seconds_max"] = time.perf_counter() - start
         summed["learner/micro_batches_max"] = float(num_micro)
         summed["learner/peak_gib_max"] = peak_memory_gib(dev)
+        # Optimizer steps this engine has taken in the run (several per batch with learner.ppo_epochs or
+        # learner.mini_batches_per_step above 1): the count an LR schedule steps with.
+        summed["learner/optimizer_steps_total_max"] = float(self.engine.global_steps)
+        summed["learner/lr_max"] = float(lr)
         return summed
 
     def _train_step_sequence_parallel(self, shard: dict, normalizer: LossNormalizer,
@@ -286,9 +305,17 @@ class LearnerRank:
         self.engine._config.train_batch_size = len(plan) * groups.dp_size
         self.engine._config.gradient_accumulation_steps = len(plan)
         summed: dict[str, float] = {"learner/real_tokens": 0.0, "learner/processed_tokens": 0.0}
+        lr = self.engine.get_lr()[0]  # this step's: the schedule moves on at the step's boundary
         self.engine.train()
+        streamed = self.ref_model is None and needs_ref_logprobs(cfg.algorithm)
+        if streamed and shard.get("ref_logprobs") is None:
+            self._streamed_ref(shard, [], 0)  # raises the error that names the settings
+        per_token = ("behavior_logprobs", "advantages", *(("ref_logprobs",) if streamed else ()))
+        if "proximal_logprobs" in shard:
+            per_token += ("proximal_logprobs",)
+        nonfinite = False
         for k, idx in enumerate(plan):
-            row, piece, rows = self._sp_slice(shard, idx, ("behavior_logprobs", "advantages"))
+            row, piece, rows = self._sp_slice(shard, idx, per_token)
             kept = [bool(idx) and bool(shard["sample_mask"][i]) for i in rows]
             sample_mask = torch.tensor(kept, dtype=torch.bool, device=dev)
             loss_mask = piece.loss_mask & per_sample_to_columns(piece, sample_mask)
@@ -296,11 +323,13 @@ class LearnerRank:
             lengths = torch.tensor([float(len(shard["response_ids"][i])) if keep else 0.0
                                     for i, keep in zip(rows, kept)], device=dev)
             logprobs, entropy, ref = self._policy_and_ref_scores(sequence_parallel_scores, piece)
+            if streamed:
+                ref = piece.per_token["ref_logprobs"]
             inputs = PolicyLossInputs(
                 behavior_logprobs=piece.per_token["behavior_logprobs"],
                 advantages=piece.per_token["advantages"],
                 loss_mask=loss_mask,
-                proximal_logprobs=logprobs.detach(),
+                proximal_logprobs=piece.per_token.get("proximal_logprobs", logprobs.detach()),
                 ref_logprobs=ref,
                 entropy=entropy,
                 sequence_lengths=per_sample_to_columns(piece, lengths),
@@ -310,6 +339,7 @@ class LearnerRank:
             # A packed row is one "sequence" to compute_policy_loss; count samples with a loss token instead.
             metrics["num_sequences"] = float(sum(keep and len(shard["response_ids"][i]) > 0
                                                  for i, keep in zip(rows, kept))) if first else 0.0
+            loss, nonfinite = self._guard_nonfinite(loss, logprobs, nonfinite, k == len(plan) - 1, dev)
             self.engine.set_gradient_accumulation_boundary(k == len(plan) - 1)
             # DeepSpeed sums gradients over the SP ranks and divides by the dp size: scale the share by dp.
             self.engine.backward(loss * groups.dp_size, scale_wrt_gas=False)
@@ -319,7 +349,7 @@ class LearnerRank:
             summed["learner/processed_tokens"] += float(piece.input_ids.numel())
             summed = combine_metrics([summed, {key: float(value) for key, value in metrics.items()}])
             del logprobs, entropy, inputs, loss, piece, row
-        return self._finish_step(summed, start, len(plan), dev)
+        return self._finish_step(summed, start, len(plan), dev, lr, nonfinite)
 
     # --- weights out -------------------------------------------------------------------------------------------
     def _full_state_dict(self) -> dict[str, torch.Tensor] | None:

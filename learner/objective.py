@@ -29,11 +29,13 @@ from learner.off_policy import behavior_weights
 from learner.policy_losses import POLICY_LOSSES
 from learner.shaping import overlong_buffer_tokens, overlong_penalty, truncated_sample_mask
 from protocols.algorithm import AlgorithmConfig
+from protocols.metrics import combine_metrics, merges_by_max  # the one merge rule; re-exported for the learner ranks
 
 __all__ = [
     "AlgorithmConfig", "LossNormalizer", "PolicyLossInputs", "apply_reward_shaping", "compute_advantages",
     "combine_metrics", "compute_policy_loss", "count_normalizer", "entropy_from_logits", "finalize_metrics",
-    "kl_estimate", "kl_for_reward", "kl_in_reward", "needs_proximal_logprobs", "needs_ref_logprobs", "needs_values",
+    "gae_targets", "kl_estimate", "kl_for_reward", "kl_in_reward", "needs_proximal_logprobs", "needs_ref_logprobs",
+    "needs_values",
     "zero_variance_groups",
 ]
 
@@ -76,12 +78,21 @@ def apply_reward_shaping(rewards: Tensor, response_lengths: Tensor, truncated: T
     return shaped, truncated_sample_mask(truncated, cfg.mask_truncated)
 
 
-def kl_for_reward(logprobs: Tensor, ref_logprobs: Tensor, loss_mask: Tensor, cfg: AlgorithmConfig) -> Tensor:
+def kl_for_reward(behavior_logprobs: Tensor, ref_logprobs: Tensor, loss_mask: Tensor,
+                  cfg: AlgorithmConfig) -> Tensor:
     """Per-token KL estimate (N, T), detached, 0 off-mask, to pass as `kl` to compute_advantages when
-    kl_in_reward(cfg). `logprobs` are those of the sampling policy: proximal_logprobs in decoupled mode (learner
-    numerics), behavior_logprobs in bypass mode. beta is applied inside compute_advantages, not here."""
+    kl_in_reward(cfg). beta is applied inside compute_advantages, not here.
+
+    The estimator is `cfg.kl.estimator` (k1 = log mu - log ref for the presets that put the KL in the reward)
+    evaluated on the behavior log-probs mu, the vLLM log-probs of the policy that sampled the tokens, in every
+    off-policy mode (decoupled and bypass alike). k1 and k3 are unbiased estimates of KL(pi || ref) only for
+    tokens drawn from pi: the tokens were drawn from mu, so mu is the policy whose KL they estimate without an
+    importance weight, and mu is known before the learner runs (the advantages need the KL before the update;
+    proximal log-probs would cost a whole forward pass of the batch first). mu lags the learner's policy by at
+    most train.max_staleness versions. `ref_logprobs` come from the reference workers (Trajectory.ref_logprobs)
+    or the learner's in-learner reference, scored at the same temperature as mu."""
     mask = loss_mask.bool()
-    lp = torch.where(mask, logprobs.detach().float(), 0.0)
+    lp = torch.where(mask, behavior_logprobs.detach().float(), 0.0)
     ref = torch.where(mask, ref_logprobs.detach().float(), 0.0)
     return torch.where(mask, kl_estimate(lp, ref, cfg.kl.estimator), 0.0)
 
@@ -124,18 +135,34 @@ def compute_advantages(rewards: Tensor, loss_mask: Tensor, group_size: int, cfg:
     if kind == "reinforce_pp":
         adv = reinforce_pp_advantage(rewards, mask, group_size, adv_cfg.group_baseline, kl, beta, adv_cfg.eps)
     elif kind == "gae":
-        if values is None:
-            raise ValueError(
-                "algorithm.advantage.type=gae needs the critic's per-token `values` (N, T) in compute_advantages; "
-                "enable the critic or choose a critic-free estimator (e.g. preset grpo)."
-            )
-        token_rewards = token_level_rewards(rewards, mask, kl, beta)
-        adv, _returns = gae_advantage(token_rewards, values, mask, adv_cfg.gamma, adv_cfg.lam)
-        if adv_cfg.whiten:
-            adv = masked_whiten(adv, mask)
+        adv, _returns = gae_targets(rewards, mask, cfg, kl=kl, values=values)
     else:  # pragma: no cover - the config's discriminated union makes this unreachable
         raise ValueError(f"algorithm.advantage.type={kind!r} is not implemented")
     return torch.where(mask, adv, 0.0)
+
+
+def gae_targets(rewards: Tensor, loss_mask: Tensor, cfg: AlgorithmConfig, *, kl: Tensor | None = None,
+                values: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """advantage.type=gae: (advantages (N, T), returns (N, T)), both float32 and 0 off-mask. Token rewards are R on
+    the last loss token minus beta * kl_t on every loss token (KL in the reward), GAE(gamma, lambda) runs over
+    the critic's `values` (N, T), the returns A + V (before whitening) are the critic's regression targets, and
+    the advantages are whitened over the batch's loss tokens when advantage.whiten."""
+    if cfg.advantage.type != "gae":
+        raise ValueError(f"gae_targets needs algorithm.advantage.type=gae, got {cfg.advantage.type!r}")
+    if values is None:
+        raise ValueError(
+            "algorithm.advantage.type=gae needs the critic's per-token `values` (N, T) in compute_advantages; "
+            "enable the critic (critic.num_workers=1) or choose a critic-free estimator (e.g. preset grpo)."
+        )
+    mask = loss_mask.bool()
+    beta = cfg.kl.beta if kl_in_reward(cfg) else 0.0
+    if beta > 0 and kl is None:
+        raise ValueError(f"algorithm.kl.placement=reward with beta={cfg.kl.beta} needs the per-token `kl`")
+    token_rewards = token_level_rewards(rewards.to(torch.float32), mask, kl, beta)
+    adv, returns = gae_advantage(token_rewards, values, mask, cfg.advantage.gamma, cfg.advantage.lam)
+    if cfg.advantage.whiten:
+        adv = masked_whiten(adv, mask)
+    return torch.where(mask, adv, 0.0), returns
 
 
 # ------------------------------------------------------------------------------------------ micro-batch side
@@ -260,7 +287,7 @@ def finalize_metrics(summed: dict[str, float]) -> dict[str, float]:
     for key, value in summed.items():
         if key in _KEEP or key.startswith("learner/"):  # learner/*: counts and ratios the learner reports as is
             out[key] = value
-        elif key.endswith("_max"):
+        elif merges_by_max(key):
             out[key] = value if n > 0 else 0.0
         elif key == "is_weight_sq":
             continue
@@ -269,18 +296,4 @@ def finalize_metrics(summed: dict[str, float]) -> dict[str, float]:
     if "is_weight" in summed and "is_weight_sq" in summed:
         sq = summed["is_weight_sq"]
         out["is_ess"] = summed["is_weight"] ** 2 / (n * sq) if n > 0 and sq > 0 else 1.0
-    return out
-
-
-def combine_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
-    """Add metric dicts of several micro-batches/ranks: sums add, `_max` keys take the max."""
-    out: dict[str, float] = {}
-    for part in parts:
-        for key, value in part.items():
-            if key not in out:
-                out[key] = value
-            elif key.endswith("_max"):
-                out[key] = max(out[key], value)
-            else:
-                out[key] += value
     return out

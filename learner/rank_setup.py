@@ -1,12 +1,63 @@
-"""What a learner rank settles before it computes: which samples form each micro-batch, which attention kernel
-and how much gradient checkpointing the model gets, and how its peak memory is read. Used by
-learner/learner_actor.py (the rank) and cluster/learner_group.py (the driver's micro-batch count).
+"""What a learner rank settles before it computes: its device and process group (shared by the policy's ranks
+and the critic's), which samples form each micro-batch, which attention kernel and how much gradient
+checkpointing the model gets, and how its peak memory is read. Used by learner/learner_actor.py and
+learner/critic_rank.py (the ranks) and cluster/learner_group.py (the driver's micro-batch count).
 """
+
+import os
 
 import torch
 
 from learner.micro_batches import sample_count_micro_batches, token_budget_micro_batches
 from protocols.config import RunConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class DeepSpeedRank:
+    """The preamble the policy's ranks (learner/learner_actor.py) and the critic's (learner/critic_rank.py)
+    share: the rank's place in its group, its device, and joining the group's process group."""
+
+    def __init__(self, cfg: RunConfig, rank: int, world_size: int, model_path: str) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
+        self.model_path = model_path
+        self.use_cuda = torch.cuda.is_available() and cfg.cluster.use_gpus
+        if not self.use_cuda:
+            os.environ["DS_ACCELERATOR"] = "cpu"
+        self.engine = None
+
+    def _device(self) -> torch.device:
+        return self.engine.device if self.use_cuda else torch.device("cpu")
+
+    def _join_process_group(self, init_distributed, master_addr: str, master_port: int, backend: str) -> None:
+        """Join the group's process group, then seed torch the same on every rank (train.seed).
+        `init_distributed` is deepspeed.init_distributed, passed in because only the rank files import DeepSpeed."""
+        os.environ.update({"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": "0",
+                           "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
+        init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
+                         rank=self.rank, world_size=self.world_size,
+                         init_method=f"tcp://{master_addr}:{master_port}")
+        torch.manual_seed(self.cfg.train.seed)
+
+
+def deepspeed_config(gradient_accumulation_steps: int, max_grad_norm: float, zero_stage: int, dtype: str) -> dict:
+    """The DeepSpeed config of a rank's engine. One "DeepSpeed micro-batch" per forward/backward whatever it
+    holds: the count of micro-batches can vary from step to step (token budgets), so train_step sets the
+    accumulation boundary itself and scales the loss itself (global normalizers); DeepSpeed never divides by its
+    gradient_accumulation_steps."""
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": gradient_accumulation_steps,
+        "gradient_clipping": max_grad_norm,
+        "zero_optimization": {"stage": zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": dtype == "bfloat16"},
+        "fp16": {"enabled": dtype == "float16"},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
 
 
 def micro_batches(num_samples: int, micro_batch_size: int) -> list[slice]:
@@ -73,12 +124,40 @@ def reset_peak_memory(device: torch.device) -> None:
         pass
 
 
-def enable_gradient_checkpointing(model: torch.nn.Module, uncheckpointed_layers: int) -> int:
+def attention_kernels() -> set:
+    """The fused attention ops torch's sdpa dispatches to (GPU flash / memory-efficient / cuDNN, and CPU flash):
+    the only ops in a decoder layer whose cost grows with length squared."""
+    names = ["_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+             "_flash_attention_forward", "_efficient_attention_forward"]
+    return {getattr(torch.ops.aten, name).default for name in names if hasattr(torch.ops.aten, name)}
+
+
+def keep_attention_context():
+    """A selective-checkpoint context (torch.utils.checkpoint.create_selective_checkpoint_contexts) that keeps
+    the attention kernels' outputs and recomputes everything else: backward re-runs the layer's projections,
+    norms and MLP, but never the O(T^2) attention forward."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    kernels = attention_kernels()
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in kernels else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module, uncheckpointed_layers: int,
+                                  keep_attention: bool = False) -> int:
     """Checkpoint every decoder layer but the last `uncheckpointed_layers` (learner.uncheckpointed_layers);
-    returns how many are checkpointed. Checkpointing changes memory and time, never the numbers."""
+    returns how many are checkpointed. With `keep_attention` (learner.checkpoint_keeps_attention) a checkpointed
+    layer still keeps its attention output. Checkpointing changes memory and time, never the numbers."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    model.gradient_checkpointing_enable()
+    kwargs = {"use_reentrant": False}  # selective checkpointing exists only for the non-reentrant variant
+    if keep_attention:
+        kwargs["context_fn"] = keep_attention_context
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     for layer in layers[len(layers) - min(uncheckpointed_layers, len(layers)):]:
         layer.gradient_checkpointing = False

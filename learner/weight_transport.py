@@ -97,6 +97,12 @@ def packed_num_bytes(packed: dict[str, tuple[str, np.ndarray]]) -> int:
     return sum(array.nbytes for _, array in packed.values())
 
 
+class BroadcastFailed(RuntimeError):
+    """A weight broadcast failed: a member of the weight group is gone (a dead rollout engine closes its
+    connections) or passed weight_sync.timeout_s. The group is unusable afterwards; the supervisor replaces the
+    dead engine, opens a new group and sends again."""
+
+
 class CollectiveSender:
     """Broadcasts weights from group rank 0 in byte buckets. `group` is a torch.distributed ProcessGroup that
     holds only the learner's rank 0 and the engines (never DeepSpeed's default group); `store` is its TCPStore,
@@ -124,8 +130,22 @@ class CollectiveSender:
         start = time.perf_counter()
         self.seq += 1
         self.store.set(header_key(self.seq), header_bytes(self.layout.header(version)))
-        pending = [None] * len(self._flats)
         it = iter(named_tensors)
+        try:
+            self._send_buckets(it)
+        except BroadcastFailed:
+            # The other learner ranks sit in this iterator's ZeRO-3 gathers: finish them, so a retry on a new group
+            # (cluster/supervisor.py) starts all ranks at the first gather together.
+            for _ in it:
+                pass
+            raise
+        for _ in it:  # let a layer-by-layer gather finish its collectives
+            pass
+        seconds = time.perf_counter() - start
+        return {"num_tensors": len(self.layout.metas), "num_bytes": self.layout.num_bytes, "seconds": seconds}
+
+    def _send_buckets(self, it: Iterator[tuple[str, torch.Tensor]]) -> None:
+        pending = [None] * len(self._flats)
         for b, entries in enumerate(self.layout.buckets):
             slot = b % len(self._flats)
             if pending[slot] is not None:
@@ -140,20 +160,22 @@ class CollectiveSender:
                                      "model change")
                 flat[offset: offset + meta.num_bytes].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
             size = self.layout.bucket_sizes[b]
-            pending[slot] = self._broadcast(flat[:size])
+            try:
+                pending[slot] = self._broadcast(flat[:size])
+            except RuntimeError as err:  # gloo may refuse at once a pair whose peer already closed it
+                raise self._failed(f"bucket {b}", err) from err
         for work in pending:
             if work is not None:
                 self._wait(work, "last buckets")
-        for _ in it:  # let a layer-by-layer gather finish its collectives
-            pass
-        seconds = time.perf_counter() - start
-        return {"num_tensors": len(self.layout.metas), "num_bytes": self.layout.num_bytes, "seconds": seconds}
 
     def _wait(self, work, what: str) -> None:
         try:
             work.wait()
         except RuntimeError as err:
-            raise RuntimeError(
-                f"weight_sync.type=collective: broadcast of the {what} failed or passed weight_sync.timeout_s="
-                f"{self.timeout_s}: {err}. A rollout engine left the weight group or stopped receiving; "
-                "weight_sync.type=object_store needs no group") from err
+            raise self._failed(what, err) from err
+
+    def _failed(self, what: str, err: BaseException) -> "BroadcastFailed":
+        return BroadcastFailed(
+            f"weight_sync.type=collective: broadcast of the {what} failed or passed weight_sync.timeout_s="
+            f"{self.timeout_s}: {err}. A rollout engine left the weight group or stopped receiving; "
+            "weight_sync.type=object_store needs no group")

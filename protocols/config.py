@@ -10,16 +10,15 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from protocols.algorithm import AlgorithmConfig
+from protocols.algorithm import DEFAULT_PRESET, AlgorithmConfig
 from protocols.data import DataConfig
+from protocols.learner_config import LearnerConfig
 from protocols.model import ModelConfig
+from protocols.model_workers import RAY_BUILTIN_RESOURCES, CriticConfig, ReferenceConfig
 from protocols.reward import RewardConfig
 
-
-DEFAULT_PRESET = "dapo"
-
-RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
-"""Resources Ray defines itself; the per-role custom resource maps must not name them."""
+__all__ = ["RAY_BUILTIN_RESOURCES", "CriticConfig", "LearnerConfig", "ReferenceConfig", "RunConfig", "load_config",
+           "dump_config", "ConfigError"]
 
 
 class ClusterConfig(BaseModel):
@@ -131,90 +130,12 @@ class RolloutConfig(BaseModel):
     """Skip CUDA graph capture / compilation (faster start; slower decode on GPUs)."""
 
 
-class LearnerConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    num_ranks: int = Field(1, ge=1)
-    """Data-parallel DeepSpeed ranks (one Ray actor each)."""
-
-    zero_stage: Literal[2, 3] = 2
-    """DeepSpeed ZeRO stage: 2 shards optimizer state and gradients, 3 also the parameters."""
-
-    prompts_per_step: int = Field(16, ge=1)
-    """Groups (prompts) in one global batch; the batch holds prompts_per_step * samples_per_prompt samples."""
-
-    micro_batch_size: int = Field(64, ge=1)
-    """Samples per forward/backward on one rank when max_tokens_per_micro_batch is 0; gradients accumulate over
-    micro-batches."""
-
-    max_tokens_per_micro_batch: int = Field(0, ge=0)
-    """Token budget (prompt + response) of one micro-batch; 0 uses micro_batch_size samples instead. With a
-    budget, ranks get about equal token loads and each rank's samples fill micro-batches of about equal token
-    counts, so long-tailed lengths neither pad nor run out of memory; the number of micro-batches follows the
-    batch. A sample longer than the budget gets a micro-batch of its own (never truncated). Long-CoT runs: a
-    few times the longest prompt + response, e.g. 32768."""
-
-    packing: bool = False
-    """Put a micro-batch's samples in one row without padding (positions restart per sample; attention stays
-    inside each sample: flash-attention varlen on GPU, a block-diagonal mask on CPU). Pair it with
-    max_tokens_per_micro_batch; metrics report learner/effective_token_frac either way."""
-
-    logits_chunk_tokens: int = Field(2048, ge=0)
-    """Positions scored through the LM head at once (fp32 log-sum-exp, recomputed in backward), so the
-    (tokens x vocabulary) logits never exist whole: at a 151k vocabulary they cost 0.6 MB per token in fp32,
-    18.5 GiB at 32k tokens. 2048 keeps a chunk's buffers near 3 GiB there (two fp32 copies of its logits plus
-    the matmul output), while each head matmul (2048 x hidden x vocabulary) stays large enough to run at full
-    speed. 0 materializes all logits (the original path, for comparison)."""
-
-    lr: float = Field(5e-5, gt=0)
-    """AdamW learning rate."""
-
-    weight_decay: float = Field(0.0, ge=0)
-    """AdamW weight decay."""
-
-    betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW betas."""
-
-    max_grad_norm: float = Field(1.0, gt=0)
-    """Global gradient norm clip."""
-
-    gradient_checkpointing: bool = False
-    """Recompute activations in backward to save memory on long responses."""
-
-    uncheckpointed_layers: int = Field(0, ge=0)
-    """With gradient_checkpointing on, the last N decoder layers keep their activations instead of recomputing
-    them: each one costs its activations' memory (about 3 GiB per layer at 32k tokens for the 1.5B shape) and
-    saves its share of the recompute (about 1/num_layers of a sixth of the step). Raise it while memory allows."""
-
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """torch.distributed backend: auto is nccl with GPUs, gloo on CPU."""
-
-    sequence_parallel_size: int = Field(1, ge=1)
-    """Ranks that share one sample, each holding a 1/sequence_parallel_size slice of its tokens (Ulysses sequence
-    parallelism, as in DeepSpeed's ALST): attention swaps sequence slices for head slices with an all-to-all.
-    Raise it when one response no longer fits on one device. num_ranks must be a multiple of it: the batch is
-    split over num_ranks / sequence_parallel_size data-parallel groups. A group's micro-batch is one packed row
-    (whatever `packing` says) of up to max_tokens_per_micro_batch tokens, each rank holding 1/size of it. The
-    model's attention heads (and its KV heads, or sequence_parallel_size divided by them) must split evenly over
-    it. ZeRO-2 only. 1 turns it off."""
-
-    @model_validator(mode="after")
-    def _check_sequence_parallel(self) -> "LearnerConfig":
-        if self.num_ranks % self.sequence_parallel_size:
-            raise ValueError(
-                f"learner.sequence_parallel_size={self.sequence_parallel_size} does not divide "
-                f"learner.num_ranks={self.num_ranks}: the ranks form num_ranks / sequence_parallel_size "
-                f"data-parallel groups of sequence_parallel_size ranks each. Use a num_ranks that is a multiple of "
-                f"{self.sequence_parallel_size}, or a sequence_parallel_size that divides {self.num_ranks}"
-            )
-        return self
-
-
 class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     steps: int = Field(500, ge=1)
-    """Learner optimizer steps (policy versions) to run."""
+    """Global batches to train on, i.e. policy versions to publish. Each makes learner.ppo_epochs *
+    learner.mini_batches_per_step optimizer steps (one with the defaults)."""
 
     max_staleness: int = Field(1, ge=0)
     """Max policy versions between a sample's oldest token and the learner; 0 is on-policy (synchronous).
@@ -227,15 +148,81 @@ class TrainConfig(BaseModel):
     eval_every: int = Field(0, ge=0)
     """Evaluate held-out accuracy every N steps (0: only before and after training)."""
 
+    eval_sets: list[str] = Field(default_factory=list)
+    """Held-out sets the evaluation harness (cluster/evaluation.py, as `relayrl eval`) runs every eval_every
+    steps and after training, beside the run's own test split (`eval/accuracy`): `demo` (the arithmetic task),
+    `gsm8k` (the shared GSM8K test file) or a JSONL/Parquet path read with data.prompt_field/answer_field. Each
+    logs eval/<set>/accuracy (greedy) and eval/<set>/pass@k; data.num_eval_prompts prompts of each."""
+
+    eval_samples: int = Field(4, ge=0, le=1024)
+    """Sampled responses per prompt (at train.eval_temperature) on train.eval_sets, for pass@1 and pass@k with k
+    = 1, 2, 4, ... up to it. Costs eval_samples generations per prompt per evaluation; 0: greedy accuracy only."""
+
+    eval_temperature: float = Field(0.6, gt=0.0, le=2.0)
+    """Sampling temperature of the pass@k samples (train.eval_sets and `relayrl eval`). 0.6 with top-p 0.95 is the
+    pass@1 protocol of DeepSeek-R1 (sec. 3.1) that RLVR papers report; rollout.temperature (usually 1.0) is for
+    exploration and puts more mass off the mode. Greedy accuracy is reported beside it either way."""
+
+    eval_top_p: float = Field(0.95, gt=0.0, le=1.0)
+    """Nucleus sampling of the pass@k samples (see eval_temperature)."""
+
+    @field_validator("eval_sets")
+    @classmethod
+    def _check_eval_sets(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if name not in ("demo", "gsm8k") and not name.endswith((".jsonl", ".parquet")):
+                raise ValueError(f"train.eval_sets entry {name!r} is neither a built-in set (demo, gsm8k) nor a "
+                                 "path ending in .jsonl or .parquet")
+        stems = [Path(n).stem for n in value]
+        if len(set(stems)) != len(stems):
+            raise ValueError(f"train.eval_sets={value} names a set twice (sets are logged by name: "
+                             "eval/<name>/...); give each once, or rename one of the files")
+        return value
+
     save_every: int = Field(0, ge=0)
-    """Write checkpoints/step_N every N steps (0: only the final model): the policy in HF format and the
-    controller's state (data position, queued groups, counters)."""
+    """Write checkpoints/step_N every N steps (0: only the final model): the policy in HF format, the learner's
+    DeepSpeed state (optimizer included) and RNG states, and the controller's state (data position, queued
+    groups, groups in flight, counters); `relayrl train --resume RUN_DIR` continues from the newest one
+    (layout in cluster/checkpoint.py)."""
+
+    keep_checkpoints: int = Field(3, ge=1, le=1000)
+    """Complete checkpoints kept; the oldest goes once a newer one is complete. Each holds the weights about
+    four times (HF policy, DeepSpeed weights, two Adam moments), so large models want 1 or 2."""
 
     seed: int = 0
     """Seeds data order, sampling and initialization."""
 
     log_every: int = Field(1, ge=1)
     """Write metrics every N steps."""
+
+
+class FaultConfig(BaseModel):
+    """Worker failure: how the driver notices a dead actor, replaces it, and how long each of its waits may last.
+    Every limit below is named in the error raised when it runs out."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_replacements: int = Field(3, ge=0, le=1000)
+    """Replacements allowed per role (rollout, reward, reference; critic: restarts of the whole critic group) over
+    the run; one more death stops the run with an error
+    (a worker that keeps dying points at a bug or a bad node, not bad luck). 0 stops at the first death."""
+
+    health_check_s: float = Field(1.0, gt=0, le=600)
+    """How often, while waiting for a batch, the driver checks that every rollout, reward, reference and critic
+    worker is alive."""
+
+    batch_timeout_s: float = Field(1800.0, gt=0, le=86_400)
+    """Longest the driver waits for one training batch from the queue (workers alive but producing nothing)."""
+
+    worker_start_timeout_s: float = Field(900.0, gt=0, le=86_400)
+    """Longest a replacement worker may take to start (vLLM engine start, weight load) or a worker to stop."""
+
+    learner_timeout_s: float = Field(3600.0, gt=0, le=86_400)
+    """Longest one learner call (a training step, a weight publish, a save) may take on every rank."""
+
+    max_rescore_attempts: int = Field(2, ge=0, le=100)
+    """Times a group whose reward (or reference) worker died is sent to a live one before it is dropped
+    (counted as `queue/dropped_reward_worker_died` or `queue/dropped_reference_worker_died`)."""
 
 
 class ObjectStoreSync(BaseModel):
@@ -272,6 +259,29 @@ class CollectiveSync(BaseModel):
 WeightSyncConfig = Annotated[Union[ObjectStoreSync, CollectiveSync], Field(discriminator="type")]
 
 
+class LoggingConfig(BaseModel):
+    """Where a run's metrics go besides metrics.jsonl and TensorBoard (always written to the run folder)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    wandb: bool = False
+    """Also log every metric to Weights & Biases, with the resolved config attached to the run. Needs the
+    `wandb` package (a dependency); `wandb_mode: offline` needs no network or account."""
+
+    wandb_project: str = Field("relayrl", min_length=1)
+    """W&B project the run is logged under."""
+
+    wandb_entity: str = ""
+    """W&B team or user; empty uses the account's default."""
+
+    wandb_name: str = ""
+    """Run name shown in W&B; empty uses the run folder's name."""
+
+    wandb_mode: Literal["online", "offline"] = "online"
+    """`online` streams to the W&B server (needs `wandb login` or WANDB_API_KEY); `offline` writes the run under
+    the run folder's `wandb/` (or $WANDB_DIR) for a later `wandb sync`. The WANDB_MODE variable overrides it."""
+
+
 class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -283,14 +293,22 @@ class RunConfig(BaseModel):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
-    algorithm: AlgorithmConfig = Field(default_factory=lambda: AlgorithmConfig(preset=DEFAULT_PRESET))
-    """Objective (see learner/ALGORITHMS.md). Without `preset`, a run uses DEFAULT_PRESET (dapo) under any
-    fields given: on the demo, dynamic sampling (train only on groups with a signal) measured +18 points of
-    held-out accuracy in 400 steps against +10 for grpo in 500."""
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    """Value model for GAE (preset ppo): `critic.num_workers: 1` turns it on."""
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    """Objective (see learner/ALGORITHMS.md). Without `preset`, a run uses DEFAULT_PRESET (dapo, the same default
+    as AlgorithmConfig's own) under any fields given: on the demo, dynamic sampling (train only on groups with a
+    signal) measured +18 points of held-out accuracy in 400 steps against +10 for grpo in 500."""
     train: TrainConfig = Field(default_factory=TrainConfig)
+    reference: ReferenceConfig = Field(default_factory=ReferenceConfig)
+    """Reference worker group (frozen reference policy for the KL term); 0 workers keeps it in the learner."""
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     weight_sync: WeightSyncConfig = Field(default_factory=ObjectStoreSync)
     """How new weights reach the rollout engines: `type: object_store` (default) or `type: collective`."""
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    """Experiment tracking beside TensorBoard: `logging.wandb: true` logs to Weights & Biases."""
+    fault: FaultConfig = Field(default_factory=FaultConfig)
+    """Worker failure: replacements allowed and the driver's wait limits."""
 
     @model_validator(mode="before")
     @classmethod
@@ -302,6 +320,23 @@ class RunConfig(BaseModel):
             # `weight_sync.bucket_mb=64` alone tunes the default backend.
             data = {**data, "weight_sync": {"type": "object_store", **data["weight_sync"]}}
         return data
+
+    def _check_mini_batches(self, samples: int, groups: int, what: str) -> None:
+        """Each mini-batch is split over the data-parallel groups like a whole batch (learner/update_plan.py)."""
+        m = self.learner.mini_batches_per_step
+        if m == 1:
+            return
+        if self.learner.max_tokens_per_micro_batch == 0 and samples % (m * groups):
+            raise ValueError(
+                f"learner.mini_batches_per_step={m} does not split the {samples} samples of a batch "
+                f"(learner.prompts_per_step * rollout.samples_per_prompt) into mini-batches that divide evenly over "
+                f"{what}: each mini-batch must hold a multiple of {groups} samples. Choose mini_batches_per_step so "
+                f"{m} * {groups} divides {samples}, or set learner.max_tokens_per_micro_batch")
+        if samples // m < groups:
+            raise ValueError(
+                f"learner.mini_batches_per_step={m} leaves mini-batches of {samples // m} samples (of {samples} per "
+                f"batch), fewer than {what}: every group needs a sample of each mini-batch. Lower "
+                f"mini_batches_per_step to at most {samples // groups}")
 
     @model_validator(mode="after")
     def _check_batch_split(self) -> "RunConfig":
@@ -323,10 +358,38 @@ class RunConfig(BaseModel):
                 f"learner.prompts_per_step * rollout.samples_per_prompt = {samples} samples are fewer than "
                 f"{what}: every group needs a sample. Raise prompts_per_step or lower num_ranks"
             )
+        self._check_mini_batches(samples, groups, what)
         if sp > 1:
             self._check_sequence_parallel_algorithm(sp)
         if self.data.max_prompt_tokens + self.rollout.max_response_tokens > 1_000_000:
             raise ValueError("data.max_prompt_tokens + rollout.max_response_tokens exceeds 1M tokens")
+        return self
+
+    @model_validator(mode="after")
+    def _check_critic(self) -> "RunConfig":
+        """GAE needs a critic, and a critic needs GAE: refuse either half alone before any actor starts."""
+        uses_values = self.algorithm.advantage.type == "gae"
+        if uses_values and not self.critic.enabled:
+            raise ValueError(
+                f"algorithm.preset={self.algorithm.preset!r} uses algorithm.advantage.type=gae, which needs a critic's "
+                f"values, but critic.num_workers=0. Set critic.num_workers=1 (or more), optionally critic.model_path "
+                f"(default: the policy's folder), critic.lr and critic.warmup_steps; or choose a critic-free preset "
+                f"(grpo, rloo, dr_grpo, dapo, gspo, cispo, reinforce, reinforce_pp)")
+        if self.critic.enabled and not uses_values:
+            raise ValueError(
+                f"critic.num_workers={self.critic.num_workers} but algorithm.advantage.type="
+                f"{self.algorithm.advantage.type!r} does not use values, so the critic would train for nothing. "
+                f"Set critic.num_workers=0, or use algorithm.preset=ppo (advantage.type=gae)")
+        return self
+
+    @model_validator(mode="after")
+    def _check_reference_workers(self) -> "RunConfig":
+        if self.reference.num_workers > 0 and self.algorithm.kl.beta == 0:
+            raise ValueError(
+                f"reference.num_workers={self.reference.num_workers} but algorithm.kl.beta=0 (preset "
+                f"{self.algorithm.preset!r} has no KL term): nothing would read the reference log-probs the workers "
+                "compute. Set reference.num_workers=0, or give algorithm.kl.beta > 0 (e.g. preset grpo, rloo, "
+                "reinforce_pp)")
         return self
 
     def _check_sequence_parallel_algorithm(self, sp: int) -> None:

@@ -149,7 +149,8 @@ class RewardConfig(BaseModel):
     """Processes per reward worker that run verifiers in parallel (CPU-heavy checks, code sandboxes)."""
 
     timeout_s: float = Field(10.0, gt=0)
-    """Per-sample limit: a verifier past it gives reward 0 and is counted as `reward/error_timeout`."""
+    """Per-sample limit: a verifier past it gives reward 0 and is counted as `reward/error_timeout`
+    (in the trained batch) and `reward_worker/error_timeout` (every check)."""
 
     error_log_interval_s: float = Field(60.0, ge=0)
     """At most one logged example per error kind per this many seconds (the counts are always exact).

@@ -70,6 +70,17 @@ class Trajectory(BaseModel):
     """Set by the reward worker; None until scored."""
     worker_id: int = 0
     """Rollout worker that generated it."""
+    values: list[float] | None = None
+    """V(state before each response token) from the critic, one per response token; None without a critic.
+    Set by a critic worker while the group streams toward the replay queue; GAE and the clipped value loss's
+    old values read it."""
+    critic_version: int | None = None
+    """Critic updates the values were computed after (0: the initial critic). The replay queue drops a group
+    whose values are more than train.max_staleness critic versions behind, as it does for policy versions."""
+    ref_logprobs: list[float] | None = None
+    """log pi_ref(token) of the frozen reference policy, one per response token, at the sampling temperature;
+    added by a reference worker while the group streams toward the queue (reference.num_workers > 0). None
+    when no reference worker group runs (the learner then scores the reference itself, if the KL needs it)."""
 
     @property
     def min_version(self) -> int:
@@ -96,6 +107,23 @@ class TrajectoryGroup(BaseModel):
     @property
     def rewards(self) -> list[float]:
         return [t.reward for t in self.trajectories]
+
+    @property
+    def critic_version(self) -> int | None:
+        """Oldest critic version among the samples' values; None when any sample has none."""
+        versions = [t.critic_version for t in self.trajectories]
+        return None if any(v is None for v in versions) else min(versions)
+
+    def with_ref_logprobs(self, ref_logprobs: list[list[float]]) -> "TrajectoryGroup":
+        """A copy whose trajectories carry `ref_logprobs` (one list per trajectory, in order, one value per
+        response token), as a reference worker computed them."""
+        if len(ref_logprobs) != len(self.trajectories) or any(
+                len(r) != len(t.response_token_ids) for r, t in zip(ref_logprobs, self.trajectories)):
+            raise ValueError(
+                f"group {self.group_id}: reference log-probs of shape {[len(r) for r in ref_logprobs]} do not match "
+                f"its responses of {[len(t.response_token_ids) for t in self.trajectories]} tokens")
+        return self.model_copy(update={"trajectories": [
+            t.model_copy(update={"ref_logprobs": list(r)}) for t, r in zip(self.trajectories, ref_logprobs)]})
 
 
 class WeightVersion(BaseModel):

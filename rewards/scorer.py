@@ -18,6 +18,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
+from protocols.metrics import reward_worker_metrics
 from protocols.reward import RewardConfig
 from protocols.trajectory import Prompt, TrajectoryGroup, VerifierResult
 
@@ -97,22 +98,16 @@ class Scorer:
             traj.reward = result.reward
         return group
 
-    def metrics(self) -> dict[str, float]:
-        """Counts since the last call: samples, errors by kind, mean verify time, mean reward, process restarts."""
-        c = self._counts
-        n = c["samples"]
-        out = {
-            "reward/samples": n,
-            "reward/error_exception": c["error_exception"],
-            "reward/error_timeout": c["error_timeout"],
-            "reward/error_crash": c["error_crash"],
-            "reward/process_restarts": c["restarts"],
-            "reward/verify_time_mean_s": c["verify_time_s"] / n if n else 0.0,
-            "reward/mean": c["reward_sum"] / n if n else 0.0,
-            "reward/correct_rate": c["correct"] / n if n else 0.0,
-        }
-        self._counts = defaultdict(float)
+    def counters(self) -> dict[str, float]:
+        """Raw counts since the last call (samples, error_<kind>, restarts, verify_time_s, reward_sum, correct),
+        then reset. The driver merges several workers' counters with protocols.metrics.reward_worker_metrics."""
+        out, self._counts = dict(self._counts), defaultdict(float)
         return out
+
+    def metrics(self) -> dict[str, float]:
+        """`reward_worker/*` since the last call: samples, errors by kind, process restarts, seconds per sample,
+        mean reward (verifier plus reward.shaping) and correct rate (protocols/metrics.py names them)."""
+        return reward_worker_metrics([self.counters()])
 
     def close(self) -> None:
         for slot in self._slots:

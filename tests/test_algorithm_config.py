@@ -31,8 +31,14 @@ def test_preset_sets_every_field_it_owns(preset):
             assert dumped[key] == value, key
 
 
-def test_default_is_grpo():
-    assert AlgorithmConfig() == AlgorithmConfig(preset="grpo")
+def test_default_is_the_runs_default_dapo():
+    from protocols.config import RunConfig, load_config
+
+    # One default for the section on its own, for a run without an algorithm section, and for a run that sets a
+    # field without naming a preset.
+    assert AlgorithmConfig() == AlgorithmConfig(preset="dapo") == RunConfig().algorithm
+    assert AlgorithmConfig(kl={"beta": 0.0}) == load_config(None, ["algorithm.kl.beta=0"]).algorithm
+    assert AlgorithmConfig().dynamic_sampling and AlgorithmConfig().aggregation == "token_mean"
 
 
 def test_dapo_preset_choices():

@@ -126,12 +126,14 @@ def test_leases_record_the_holder_and_a_lost_workers_leases_free_the_window():
     assert s["queue/admitted"] == s["queue/received"] + s["queue/leased"] == 4
 
 
-def test_leases_round_trip_through_the_state_dict():
+def test_leased_groups_round_trip_through_the_state_dict_as_groups_to_reissue():
     c = controller(clock=lambda: 5.0)
     c.sync(SyncRequest(worker_id=3, version=0, want=2))
     d = controller()
     d.load_state_dict(c.state_dict())
-    assert d.leases_of(3) == ["g0", "g1"] and d.state_dict() == c.state_dict()
+    # a resumed run has new workers: the groups are waiting for re-issue, with their prompts, held by no one
+    assert d.leases == {} and [g for g, _ in d.reissue] == ["g0", "g1"] and d.state_dict() == c.state_dict()
+    assert [p for _, p in d.reissue] == [c.lease_prompts["g0"], c.lease_prompts["g1"]]
 
 
 # --- the bound, in the simulator -------------------------------------------------------------------------------

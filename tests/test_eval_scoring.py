@@ -56,9 +56,9 @@ def test_held_out_scoring_uses_the_run_settings_and_survives_failing_verifiers(r
         assert correct == [c[2] for c in CASES]
         # one timeout (the tower of powers) and one exception (the raising verifier)
         assert dict(errors) == {"timeout": 1, "exception": 1}
-        # evaluation samples are not training data: the workers' reward/* counters stay empty
+        # evaluation samples are not training data: the workers' reward_worker/* counters stay empty
         for metrics in ray.get([w.metrics.remote() for w in workers]):
-            assert metrics["reward/samples"] == 0
+            assert metrics["reward_worker/samples"] == 0
     finally:
         for w in workers:
             ray.kill(w)

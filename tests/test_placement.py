@@ -143,7 +143,8 @@ def test_trainer_refuses_an_impossible_plan_before_any_actor_starts(ray_cluster,
                                              r"the cluster has 8"):
         Trainer(cfg)
     assert len(placement_group_table()) == groups_before  # nothing reserved
-    assert ray_cluster.available_resources()["CPU"] == free_before
+    # a previous test's actors may still be releasing CPUs, so free CPUs can only rise, never fall
+    assert ray_cluster.available_resources()["CPU"] >= free_before
 
 
 @pytest.mark.slow

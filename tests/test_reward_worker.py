@@ -33,9 +33,9 @@ def test_reward_worker_actor_scores_a_group(ray_cluster):
         assert [t.result.correct for t in group.trajectories] == [True, True, False, False]
         assert group.trajectories[3].result.info["reason"] == "no_boxed"
         metrics = ray.get(worker.metrics.remote())
-        assert metrics["reward/samples"] == 4
-        assert metrics["reward/error_exception"] == 0 and metrics["reward/error_timeout"] == 0
-        assert metrics["reward/mean"] == 0.5
+        assert metrics["reward_worker/samples"] == 4
+        assert metrics["reward_worker/error_exception"] == 0 and metrics["reward_worker/error_timeout"] == 0
+        assert metrics["reward_worker/reward_mean"] == 0.5
     finally:
         ray.get(worker.shutdown.remote())
         ray.kill(worker)

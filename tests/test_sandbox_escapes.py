@@ -345,7 +345,7 @@ prompt = Prompt(prompt_id='code/0', prompt_token_ids=[0], tests=[{{'input': '', 
 result = scorer.score([prompt], ['```python\\n' + code + '\\n```'])[0]
 counts = scorer.metrics()
 scorer.close()
-print(json.dumps([run.status, result.reward, result.error, counts['reward/error_exception']]))
+print(json.dumps([run.status, result.reward, result.error, counts['reward_worker/error_exception']]))
 """
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = ["setpriv", "--bounding-set", "-sys_admin", "--inh-caps", "-all", "--", sys.executable, "-c", script]

@@ -33,13 +33,13 @@ def test_custom_float_verifier_by_import_path():
         # float 1.0 -> correct, 0.0 -> not
         assert [r.reward for r in results] == [1.0, 0.0, 1.0, 0.0]
         assert [r.correct for r in results] == [True, False, True, False]
-        assert scorer.metrics()["reward/samples"] == 4
+        assert scorer.metrics()["reward_worker/samples"] == 4
     finally:
         scorer.close()
 
 
 def test_uncounted_scoring_leaves_the_training_metrics_alone():
-    # held-out evaluation scores with count=False: results as usual, reward/* counters untouched
+    # held-out evaluation scores with count=False: results as usual, reward_worker/* counters untouched
     scorer = _scorer("exact")
     try:
         scorer.score(_prompts(2), ["7", "8"])
@@ -47,7 +47,7 @@ def test_uncounted_scoring_leaves_the_training_metrics_alone():
         assert [r.correct for r in held_out] == [True, True, False]
         metrics = scorer.metrics()
         # only the 2 counted samples, 1 of them correct: mean reward 1/2
-        assert (metrics["reward/samples"], metrics["reward/mean"]) == (2, 0.5)
+        assert (metrics["reward_worker/samples"], metrics["reward_worker/reward_mean"]) == (2, 0.5)
     finally:
         scorer.close()
 
@@ -59,10 +59,10 @@ def test_slow_samples_time_out_while_the_others_score():
         assert [r.reward for r in results] == [1.0, 0.0, 1.0, 0.0]
         assert [r.error for r in results] == ["", "timeout", "", "timeout"]
         metrics = scorer.metrics()
-        assert (metrics["reward/error_timeout"], metrics["reward/samples"]) == (2, 4)
+        assert (metrics["reward_worker/error_timeout"], metrics["reward_worker/samples"]) == (2, 4)
         # the scorer keeps working afterwards, and counts restart from zero
         assert [r.reward for r in scorer.score(_prompts(2), ["ok", "ok"])] == [1.0, 1.0]
-        assert scorer.metrics()["reward/error_timeout"] == 0
+        assert scorer.metrics()["reward_worker/error_timeout"] == 0
     finally:
         scorer.close()
 
@@ -75,7 +75,7 @@ def test_a_hung_process_is_killed_and_replaced():
         assert [r.reward for r in results] == [1.0, 0.0, 1.0]
         assert results[1].error == "timeout"
         metrics = scorer.metrics()
-        assert (metrics["reward/error_timeout"], metrics["reward/process_restarts"]) == (1, 1)
+        assert (metrics["reward_worker/error_timeout"], metrics["reward_worker/process_restarts"]) == (1, 1)
     finally:
         scorer.close()
 
@@ -88,7 +88,7 @@ def test_exceptions_crashes_and_bad_returns_are_counted():
         assert [r.error for r in results] == ["exception", "", "crash", "exception", ""]
         assert "bad sample" in results[0].info["message"]
         metrics = scorer.metrics()
-        assert (metrics["reward/error_exception"], metrics["reward/error_crash"]) == (2, 1)
+        assert (metrics["reward_worker/error_exception"], metrics["reward_worker/error_crash"]) == (2, 1)
     finally:
         scorer.close()
 

@@ -174,3 +174,42 @@ def test_layout_mismatch_is_reported_by_the_receiver():
         thread.join()
     # gloo may buffer a small send, so the sender either finished or failed naming the settings
     assert "sender" not in outcome or "weight_sync.timeout_s=5.0" in outcome["sender"]
+
+
+def test_broadcast_to_a_dead_engine_raises_broadcast_failed_and_drains_the_weights():
+    """A rollout engine that died (here: a process killed after it joined) breaks the broadcast at once with
+    BroadcastFailed, the error the supervisor answers by replacing it; the weight iterator is still run to its end,
+    since under ZeRO-3 the other learner ranks wait in its gathers."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from learner.weight_transport import BroadcastFailed
+
+    port = _free_port()
+    code = ("import time; from learner.weight_wire import open_weight_group; "
+            f"open_weight_group('127.0.0.1', {port}, 1, 2, 'gloo', 30.0); time.sleep(600)")
+    repo = str(Path(__file__).resolve().parents[1])
+    child = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": repo})
+    try:
+        group, store = open_weight_group("127.0.0.1", port, 0, 2, "gloo", 30.0)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    time.sleep(0.5)  # gloo's event loop reads the closed connection
+    metas = metas_of(_weights(0))
+    sender = CollectiveSender(group, store, BucketLayout(metas, 300), torch.device("cpu"), 30.0)
+    yielded = []
+
+    def weights():
+        for pair in _weights(1):
+            yielded.append(pair[0])
+            yield pair
+
+    start = time.perf_counter()
+    with pytest.raises(BroadcastFailed, match="weight_sync.type=collective: broadcast of the .* failed"):
+        sender.send(weights(), 1)
+    assert time.perf_counter() - start < 10  # the closed connection is seen, not waited out to the timeout
+    assert yielded == [name for name, _ in _weights(1)]

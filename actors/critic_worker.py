@@ -1,0 +1,27 @@
+"""Critic worker: a Ray actor holding one critic rank (learner/critic_rank.py). Besides training with its group
+(driven by cluster/critic_group.py), it stamps values on scored groups streaming toward the replay queue: a
+rollout worker chains `add_values` onto the reward worker's result ref, so the group goes reward worker ->
+critic worker -> controller without passing through the rollout worker or the driver.
+"""
+
+from learner.critic_rank import CriticRank
+from protocols.trajectory import TrajectoryGroup
+
+
+class CriticWorker(CriticRank):
+    def add_values(self, group: TrajectoryGroup) -> TrajectoryGroup:
+        """The group with `values` (one per response token) and `critic_version` set on every trajectory."""
+        trajectories = group.trajectories
+        values, version = self.values({"prompt_ids": [t.prompt.prompt_token_ids for t in trajectories],
+                                       "response_ids": [t.response_token_ids for t in trajectories]})
+        stamped = [t.model_copy(update={"values": v, "critic_version": version}) for t, v in zip(trajectories, values)]
+        return group.model_copy(update={"trajectories": stamped})
+
+    def ping(self) -> int:
+        return self.rank
+
+    def actor_id(self) -> str:
+        """This actor's id (hex), as a RayActorError names it when the actor dies."""
+        import ray
+
+        return ray.get_runtime_context().get_actor_id()

@@ -1,0 +1,65 @@
+"""Reference worker: a Ray actor that holds the frozen reference policy (the initial model) and computes the
+reference log-probs of each response token while groups stream from the rollout workers to the replay queue.
+
+A rollout worker sends every finished group to a reward worker and, at the same time, to a reference worker
+(round robin); the controller joins the two results before it queues the group, so the learner never waits for
+reference scoring and holds no reference copy. Sharding is plain data parallel: each worker holds the whole
+model and scores whole groups on its own (no collectives, so any worker takes any group; a model too large
+for one device would need ZeRO-3 inference, whose forwards are collectives every worker must join together).
+Scoring is the learner's own code (learner/shard_scoring.py): the same dtype, attention kernel, micro-batch
+plan, chunked LM head and temperature as the in-learner reference, so the numbers are the same.
+"""
+
+import time
+
+import torch
+
+from learner.rank_setup import attention_implementation
+from learner.shard_scoring import score_shard
+from protocols.config import RunConfig
+from protocols.trajectory import TrajectoryGroup
+
+
+class ReferenceWorker:
+    def __init__(self, cfg: RunConfig, worker_index: int, model_path: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.cfg = cfg
+        self.worker_index = worker_index
+        use_cuda = torch.cuda.is_available() and cfg.cluster.use_gpus
+        self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+        # model.dtype names a torch dtype ("float32", "bfloat16", "float16"), loaded as the learner loads it.
+        dtype = getattr(torch, cfg.model.dtype)
+        attn = attention_implementation(use_cuda, cfg.learner.packing, dtype)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=attn,
+                                                         trust_remote_code=cfg.model.trust_remote_code)
+        except (OSError, ValueError) as err:
+            raise RuntimeError(f"reference worker {worker_index} could not load model.path={model_path!r}: {err}") \
+                from err
+        self.model = model.eval().requires_grad_(False).to(self.device)
+        self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+        self.counters = {"groups": 0, "samples": 0, "tokens": 0, "seconds": 0.0}
+
+    def score_samples(self, samples: dict) -> list[list[float]]:
+        """Reference log-probs of each response token for per-sample lists `prompt_ids` and `response_ids`."""
+        start = time.perf_counter()
+        out = score_shard(self.model, samples, self.cfg, None, self.pad_id, self.device)
+        self.counters["samples"] += len(out)
+        self.counters["tokens"] += sum(len(r) for r in out)
+        self.counters["seconds"] += time.perf_counter() - start
+        return out
+
+    def score_group(self, group: TrajectoryGroup) -> list[list[float]]:
+        """Reference log-probs of every trajectory of `group`, in order (TrajectoryGroup.with_ref_logprobs
+        attaches them). Returns lists, not the group: only the new numbers travel back."""
+        self.counters["groups"] += 1
+        return self.score_samples({"prompt_ids": [t.prompt.prompt_token_ids for t in group.trajectories],
+                                   "response_ids": [t.response_token_ids for t in group.trajectories]})
+
+    def stats(self) -> dict[str, float]:
+        """Counters since start: groups, samples, tokens scored and seconds spent scoring."""
+        return dict(self.counters)
+
+    def ping(self) -> int:
+        return self.worker_index

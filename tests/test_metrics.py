@@ -1,0 +1,133 @@
+"""Metrics in one place (protocols/metrics.py): the merge rule, the names, the log record; and in a real short
+run, the reward workers' counters and the evaluation sets reaching metrics.jsonl and the summary."""
+
+import json
+import math
+
+import pytest
+
+from protocols.metrics import (SECTIONS, combine_metrics, eval_metrics, log_record, reward_worker_metrics,
+                               rollout_metrics, scalars, unknown_names)
+
+
+def test_merge_adds_sums_and_takes_the_max_of_max_keys():
+    # loss 0.5 + 0.25 = 0.75; ratio_max max(1.5, 2.0) = 2.0; num_tokens 3 + 4 = 7; a key in one part only is kept
+    parts = [{"loss": 0.5, "ratio_max": 1.5, "num_tokens": 3.0},
+             {"loss": 0.25, "ratio_max": 2.0, "num_tokens": 4.0, "learner/peak_gib_max": 1.0}]
+    assert combine_metrics(parts) == {"loss": 0.75, "ratio_max": 2.0, "num_tokens": 7.0, "learner/peak_gib_max": 1.0}
+    assert combine_metrics([]) == {}
+
+
+def test_learner_objective_uses_the_same_merge_rule():
+    from learner.objective import combine_metrics as learner_combine
+
+    assert learner_combine is combine_metrics
+
+
+def test_reward_worker_metrics_weight_means_by_samples():
+    # worker A: 4 samples, 2 s of checks, reward sum 3, 3 correct, 1 timeout; worker B: 1 sample, 0.5 s, 0, 0,
+    # 1 exception. Merged: 5 samples, 2.5 s / 5 = 0.5 s per sample, reward 3 / 5 = 0.6, correct 0.6
+    a = {"samples": 4.0, "verify_time_s": 2.0, "reward_sum": 3.0, "correct": 3.0, "error_timeout": 1.0}
+    b = {"samples": 1.0, "verify_time_s": 0.5, "reward_sum": 0.0, "correct": 0.0, "error_exception": 1.0,
+         "restarts": 1.0}
+    m = reward_worker_metrics([a, b])
+    assert m["reward_worker/samples"] == 5
+    assert m["reward_worker/seconds_per_sample"] == pytest.approx(0.5)
+    assert m["reward_worker/reward_mean"] == pytest.approx(0.6)
+    assert m["reward_worker/correct_rate"] == pytest.approx(0.6)
+    assert (m["reward_worker/error_timeout"], m["reward_worker/error_exception"], m["reward_worker/error_crash"]) \
+        == (1, 1, 0)
+    assert m["reward_worker/process_restarts"] == 1
+    # nothing scored: every name present, zeros (no division by zero)
+    empty = reward_worker_metrics([])
+    assert set(empty) == set(m) and all(v == 0 for v in empty.values())
+
+
+def test_reward_worker_names_never_collide_with_the_trained_batch():
+    # the trainer's reward/mean (raw) and reward/shaped_mean stay its own; the scorer's are reward_worker/*
+    m = reward_worker_metrics([{"samples": 1.0, "reward_sum": 1.0, "error_odd": 2.0}])
+    assert not any(k.startswith("reward/") for k in m)
+    assert m["reward_worker/error_odd"] == 2  # a kind outside the fixed three is reported as it occurs
+
+
+def test_rollout_metrics_sum_over_workers():
+    # idle (1 + 3) / wall (10 + 10) = 0.2; tokens (100 + 300) / generate (2 + 2) = 100 per s; sync 0.5 + 0.25
+    reports = [{"wall_s": 10.0, "generate_s": 2.0, "idle_s": 1.0, "tokens": 100, "sync_s": 0.5, "groups": 3},
+               {"wall_s": 10.0, "generate_s": 2.0, "idle_s": 3.0, "tokens": 300, "sync_s": 0.25, "groups": 1}]
+    assert rollout_metrics(reports) == {"rollout/idle_frac": 0.2, "rollout/tokens_per_s": 100.0,
+                                        "rollout/sync_s_total": 0.75}
+    assert rollout_metrics([]) == {}
+
+
+def test_eval_metrics_names():
+    result = {"greedy_accuracy": 0.5, "prompts": 10, "pass_at_k": {1: 0.4, 2: 0.7}, "errors": {"timeout": 1}}
+    assert eval_metrics("gsm8k", result) == {
+        "eval/gsm8k/accuracy": 0.5, "eval/gsm8k/samples": 10, "eval/gsm8k/pass@1": 0.4, "eval/gsm8k/pass@2": 0.7,
+        "eval/gsm8k/error_timeout": 1}
+
+
+def test_names_belong_to_documented_sections():
+    assert unknown_names(["reward/mean", "reward_worker/samples", "loss", "eval/demo/pass@4", "policy_version"]) == []
+    assert unknown_names(["rewrd/mean", "loss"]) == ["rewrd/mean"]
+    assert all(section.endswith("/") for section in SECTIONS)
+
+
+def test_log_record_and_tensorboard_scalars():
+    line = log_record(3, {"reward/mean": 1, "eval/accuracy": float("nan"), "flag": True})
+    row = json.loads(line)
+    assert list(row) == ["step", "reward/mean", "eval/accuracy", "flag"]
+    assert row["step"] == 3 and row["reward/mean"] == 1.0 and math.isnan(row["eval/accuracy"])
+    # TensorBoard gets the finite numbers only
+    assert scalars({"a": 1, "b": float("inf"), "c": "text", "d": 0.5}) == {"a": 1.0, "d": 0.5}
+
+
+def test_run_folder_writes_through_the_module(tmp_path):
+    from cluster.run_folder import RunFolder
+    from protocols.config import load_config
+
+    folder = RunFolder(load_config(None, [f"output_dir={tmp_path}"]))
+    folder.log(1, {"reward/mean": 0.25, "reward_worker/samples": 8})
+    folder.close()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 1, "reward/mean": 0.25, "reward_worker/samples": 8.0}]
+
+
+@pytest.mark.slow
+def test_short_run_logs_reward_worker_counters_and_eval_sets(ray_cluster, tmp_path):
+    """4 DAPO steps on the demo, evaluation of the `demo` set at step 2 and after training with 2 samples."""
+    from cluster.trainer import Trainer
+    from protocols.config import load_config
+
+    cfg = load_config(None, [
+        f"output_dir={tmp_path}", "train.steps=4", "train.eval_every=2", "train.eval_sets=[demo]",
+        "train.eval_samples=2", "learner.prompts_per_step=4", "rollout.samples_per_prompt=4",
+        "data.num_eval_prompts=16", "train.max_staleness=0", "reward.num_workers=2"])
+    trainer = Trainer(cfg)
+    try:
+        summary = trainer.run()
+    finally:
+        trainer.shutdown()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 4
+    names = ("samples", "error_exception", "error_timeout", "error_crash", "process_restarts", "seconds_per_sample",
+             "reward_mean", "correct_rate")
+    assert all(f"reward_worker/{n}" in r for r in rows for n in names)
+    # every group the workers scored reached the controller (no failures), 4 samples each; groups abandoned
+    # unscored at the stop count as received too. The logged lines hold what arrived by each step, the summary
+    # every count
+    total = summary["reward_workers"]["reward_worker/samples"]
+    q = summary["queue"]
+    assert total == (q["queue/received"] - q.get("queue/dropped_aborted_at_stop", 0)) * 4
+    assert sum(r["reward_worker/samples"] for r in rows) <= total
+    assert total >= 4 * 4 * 4  # at least the 4 trained batches of 16 samples
+    assert summary["reward_workers"]["reward_worker/error_timeout"] == 0
+    # the demo set at step 2 (in metrics.jsonl) and after training (summary): pass@1 <= pass@2, both in [0, 1]
+    mid = rows[1]
+    assert mid["eval/demo/samples"] == 16 and 0 <= mid["eval/demo/accuracy"] <= 1
+    assert 0 <= mid["eval/demo/pass@1"] <= mid["eval/demo/pass@2"] <= 1
+    after = summary["eval_after"]
+    assert after["eval/demo/pass@1"] <= after["eval/demo/pass@2"]
+    # the default set's eval/accuracy is still there, and the harness's rows were written per evaluation
+    assert "eval/accuracy" in mid
+    lines = (tmp_path / "eval" / "demo_step000002.jsonl").read_text().splitlines()
+    assert len(lines) == 16 * (1 + 2)

@@ -1,0 +1,162 @@
+"""Reference workers: the frozen reference policy scored outside the learner, streamed with the trajectories."""
+
+import pytest
+import torch
+
+from cluster.placement import PlacementError, check_plan, parse_node_spec, plan_placement
+from cluster.reference_stream import reward_kl, streamed_ref_logprobs
+from protocols.config import ConfigError, load_config
+from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup
+
+
+def _trajectory(group_id: str, index: int, response: list[int], behavior: list[float]) -> Trajectory:
+    return Trajectory(group_id=group_id, sample_index=index, prompt=Prompt(prompt_id="p", prompt_token_ids=[1, 2]),
+                      response_token_ids=response, behavior_logprobs=behavior, token_versions=[0] * len(response),
+                      finish_reason="stop")
+
+
+# --- config, placement and the records (no Ray) ------------------------------------------------------------------
+def test_reference_workers_with_a_preset_without_kl_are_refused():
+    # dapo has beta 0: the log-probs would be computed and never read, so the config is refused by name
+    with pytest.raises(ConfigError, match=r"reference.num_workers=1 but algorithm.kl.beta=0 \(preset 'dapo'"):
+        load_config(None, ["reference.num_workers=1", "algorithm.preset=dapo"])
+    with pytest.raises(ConfigError, match="reference.resources names the built-in resource 'GPU'"):
+        load_config(None, ["reference.num_workers=1", "algorithm.preset=grpo", "reference.resources={GPU: 1}"])
+    assert load_config(None, ["reference.num_workers=1", "algorithm.preset=grpo"]).reference.num_workers == 1
+    assert load_config(None, []).reference.num_workers == 0  # the default keeps the in-learner reference
+
+
+def test_reference_role_reserves_its_own_bundles():
+    cfg = load_config(None, ["algorithm.preset=grpo", "reference.num_workers=2", "reference.cpus=2",
+                             "reference.gpus=0.5", "reference.resources={ref_node: 1}", "cluster.use_gpus=true"])
+    plan = plan_placement(cfg)
+    assert plan.role("reference").bundles == [{"CPU": 2.0, "GPU": 0.5, "ref_node": 1.0}] * 2
+    # 1 rollout engine + 1 learner rank + 2 x 0.5 reference = 3 GPUs: a 2-GPU node is refused with every term
+    with pytest.raises(PlacementError, match=r"reference.num_workers=2 x reference.gpus=0.5 = 3 GPUs"):
+        check_plan(plan, parse_node_spec("GPU=2,CPU=16,ref_node=2"))
+    check_plan(plan, parse_node_spec("GPU=3,CPU=16,ref_node=2"))
+    # no workers: no role at all (nothing reserved, the plan printout unchanged)
+    assert [r.role for r in plan_placement(load_config(None, [])).roles] == ["rollout", "learner", "reward"]
+
+
+def test_group_takes_ref_logprobs_of_matching_shape_only():
+    group = TrajectoryGroup(group_id="g0", trajectories=[_trajectory("g0", 0, [5, 6], [-0.1, -0.2]),
+                                                         _trajectory("g0", 1, [7], [-0.3])])
+    joined = group.with_ref_logprobs([[-1.0, -2.0], [-3.0]])
+    assert [t.ref_logprobs for t in joined.trajectories] == [[-1.0, -2.0], [-3.0]]
+    assert all(t.ref_logprobs is None for t in group.trajectories)  # a copy: the input is left as it was
+    with pytest.raises(ValueError, match=r"group g0: reference log-probs of shape \[2, 2\]"):
+        group.with_ref_logprobs([[-1.0, -2.0], [-3.0, -4.0]])
+    assert streamed_ref_logprobs(joined.trajectories) == [[-1.0, -2.0], [-3.0]]
+    with pytest.raises(RuntimeError, match=r"2 trajectories reached the learner without ref_logprobs \(groups \['g0'\]"):
+        streamed_ref_logprobs(group.trajectories)
+
+
+def test_reward_kl_is_k1_on_behavior_logprobs_in_decoupled_mode():
+    # rloo: KL in the reward, k1, and the default off_policy mode decoupled. The estimate is taken on the behavior
+    # log-probs mu (the tokens were sampled from mu): k1 = mu - ref per token, 0 off the mask.
+    # row 0: [-0.5 - (-1.0), -1.0 - (-1.0)] = [0.5, 0.0]; row 1: [-2.0 - (-1.5), pad] = [-0.5, 0.0]
+    cfg = load_config(None, ["algorithm.preset=rloo"]).algorithm
+    assert cfg.off_policy.mode == "decoupled" and cfg.kl.estimator == "k1"
+    mask = torch.tensor([[True, True], [True, False]])
+    kl = reward_kl([[-0.5, -1.0], [-2.0]], [[-1.0, -1.0], [-1.5]], mask, cfg)
+    torch.testing.assert_close(kl, torch.tensor([[0.5, 0.0], [-0.5, 0.0]]))
+    # k3 on the same numbers: r = e^(ref - mu); row 0 token 0: e^-0.5 - 1 + 0.5 = 0.1065307
+    k3 = reward_kl([[-0.5, -1.0], [-2.0]], [[-1.0, -1.0], [-1.5]], mask, cfg.model_copy(
+        update={"kl": cfg.kl.model_copy(update={"estimator": "k3"})}))
+    assert float(k3[0, 0]) == pytest.approx(0.1065307, rel=1e-6) and float(k3[0, 1]) == 0.0
+
+
+# --- the real actors ------------------------------------------------------------------------------------------------
+def _samples(num: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    out = {"prompt_ids": [], "response_ids": [], "behavior_logprobs": [], "advantages": [], "sample_mask": []}
+    for i in range(num):
+        length = 1 + i % 5  # ragged, so padding and micro-batch composition differ between the two paths
+        out["prompt_ids"].append([1, 3 + i % 10, 13, 3 + (i * 7) % 10, 14][: 3 + i % 3])
+        out["response_ids"].append(torch.randint(3, 13, (length,), generator=g).tolist())
+        out["behavior_logprobs"].append([-2.5] * length)
+        out["advantages"].append([1.0] * length)
+        out["sample_mask"].append(True)
+    return out
+
+
+@pytest.mark.slow
+def test_reference_worker_matches_the_learners_reference_path(ray_cluster, tiny_models):
+    import ray
+
+    from actors.reference_worker import ReferenceWorker
+    from cluster.learner_group import LearnerGroup
+
+    cfg = load_config(None, ["algorithm.preset=grpo", "model.dtype=float32", "learner.prompts_per_step=2",
+                             "rollout.samples_per_prompt=4", "learner.micro_batch_size=8"])
+    samples = _samples(8)
+    learner = LearnerGroup(cfg, tiny_models["tied"])
+    worker = ray.remote(ReferenceWorker).options(num_cpus=1).remote(cfg, 0, tiny_models["tied"])
+    try:
+        expected = learner.ref_logprobs(samples)  # the in-learner reference: one micro-batch of all 8
+        # the stream scores groups of 4 separately (other padding widths): the numbers must not depend on it
+        got = []
+        for start in (0, 4):
+            group = TrajectoryGroup(group_id=f"g{start}", trajectories=[
+                _trajectory(f"g{start}", i, samples["response_ids"][start + i], samples["behavior_logprobs"][start + i])
+                .model_copy(update={"prompt": Prompt(prompt_id="p", prompt_token_ids=samples["prompt_ids"][start + i])})
+                for i in range(4)])
+            got.extend(ray.get(worker.score_group.remote(group)))
+        stats = ray.get(worker.stats.remote())
+    finally:
+        ray.kill(worker)
+        learner.shutdown()
+    assert [len(r) for r in got] == [len(r) for r in samples["response_ids"]]
+    gap = max(abs(a - b) for row_a, row_b in zip(got, expected) for a, b in zip(row_a, row_b))
+    assert gap <= 1e-5, gap
+    assert all(v < 0 for row in got for v in row)  # log-probs of a 15-symbol vocabulary, none certain
+    assert stats["groups"] == 2 and stats["samples"] == 8 and stats["tokens"] == sum(len(r) for r in got)
+
+
+@pytest.mark.slow
+def test_grpo_run_trains_on_streamed_ref_logprobs_without_a_learner_copy(ray_cluster, tmp_path):
+    import json
+
+    import ray
+
+    from cluster.supervisor import WorkerLost
+    from cluster.trainer import Trainer
+
+    # fault.max_replacements=0 (no death in the run itself): a reference worker killed afterwards is one death too
+    # many, so the error path is checked here; replacement itself: tests/test_worker_failure.py
+    cfg = load_config(None, [f"output_dir={tmp_path}", "algorithm.preset=grpo", "reference.num_workers=1",
+                             "train.steps=3", "train.max_staleness=0", "learner.prompts_per_step=2",
+                             "rollout.samples_per_prompt=4", "data.num_eval_prompts=8", "fault.max_replacements=0"])
+    trainer = Trainer(cfg)
+    trained: list[TrajectoryGroup] = []
+    step = trainer.step
+    trainer.step = lambda groups: (trained.extend(groups), step(groups))[1]  # record what the learner trains on
+    try:
+        summary = trainer.run()
+        holds_ref = ray.get([rank.__ray_call__.remote(lambda r: r.ref_model is not None)
+                             for rank in trainer.learner.ranks])
+        stats = ray.get(trainer.reference_workers[0].stats.remote())
+        # A reference worker that dies past the limit stops the run with an error naming it, never a hang.
+        ray.get(trainer.controller.resume.remote())
+        ray.kill(trainer.reference_workers[0])
+        trainer.supervisor.start_runs()
+        with pytest.raises(WorkerLost, match=r"reference worker 0 died .*fault.max_replacements=0 allows no more"):
+            trainer._wait_for_batch()
+        ray.get(trainer.controller.stop.remote())
+        ray.get(trainer.supervisor.run_refs, timeout=60)
+    finally:
+        trainer.shutdown()
+    assert summary["steps"] == 3 and len(trained) == 3 * 2
+    assert holds_ref == [False]  # the learner rank never loaded a reference copy
+    for t in [t for g in trained for t in g.trajectories]:
+        assert t.ref_logprobs is not None and len(t.ref_logprobs) == len(t.response_token_ids)
+        # On-policy at version 0 the sampler is the reference itself: vLLM's behavior log-probs and the reference
+        # worker's transformers forward agree (about 1e-6 in fp32 on this stack).
+        if t.max_version == 0:
+            assert max(abs(a - b) for a, b in zip(t.ref_logprobs, t.behavior_logprobs)) < 1e-3
+    assert stats["groups"] >= len(trained)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # step 1 trains version 0 = the reference: the KL in the loss (k3 from the streamed values against the
+    # learner's own forward) is 0 up to float noise; after updates it stays a finite, non-negative k3 mean
+    assert abs(rows[0]["kl"]) < 1e-5 and all(0 <= r["kl"] < 1 for r in rows)

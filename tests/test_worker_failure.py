@@ -1,0 +1,340 @@
+"""Worker failure: a killed rollout, reward or reference worker is replaced, a killed critic rank restarts the
+critic group, and the run finishes with every group accounted for; a non-finite loss skips the update on every
+learner rank, bitwise."""
+
+import copy
+import math
+
+import pytest
+import ray
+import torch
+
+from learner.objective import count_normalizer
+from protocols.config import load_config
+from tests.test_learner_sharding import make_batch
+
+
+
+# --- the controller's side (plain Python) ----------------------------------------------------------------------
+def test_a_dead_workers_id_is_retired_and_its_groups_counted_under_the_reason():
+    from actors.controller import SyncRequest
+    from tests.test_control_plane import controller
+
+    c = controller(max_staleness=1)  # budget (0 + 1 + 1) * 2 = 4
+    assert len(c.sync(SyncRequest(worker_id=0, version=0, want=3)).granted) == 3
+    assert c.release_worker(0, "rollout_worker_died") == ["g0", "g1", "g2"]
+    assert c.queue.dropped["rollout_worker_died"] == 3 and c.budget(0) == 4  # 4 - (3 admitted - 3 dropped)
+    # a call the dead worker still had in flight is granted nothing; its replacement (a new id) gets work
+    assert c.sync(SyncRequest(worker_id=0, version=0, want=2)).granted == []
+    assert [g for g, _ in c.sync(SyncRequest(worker_id=2, version=0, want=2)).granted] == ["g3", "g4"]
+    s = c.stats()
+    assert s["queue/admitted"] == s["queue/received"] + s["queue/leased"] == 5  # 3 dropped + 2 leased
+
+
+def test_a_new_reward_worker_list_reaches_workers_behind_it():
+    from actors.controller import SyncRequest
+    from tests.test_control_plane import controller
+
+    c = controller()
+    assert c.sync(SyncRequest(worker_id=0, version=0)).reward_workers is None  # nothing replaced yet
+    assert c.set_reward_workers(["r0", "r1"]) == 1
+    assert c.sync(SyncRequest(worker_id=0, version=0, reward_generation=0)).reward_workers == (1, ["r0", "r1"])
+    assert c.sync(SyncRequest(worker_id=0, version=0, reward_generation=1)).reward_workers is None
+
+
+def test_new_reference_and_critic_lists_reach_workers_behind_them():
+    from actors.controller import SyncRequest
+    from tests.test_control_plane import controller
+
+    c = controller()
+    assert c.sync(SyncRequest(worker_id=0, version=0)).model_workers is None  # nothing replaced yet
+    assert c.set_model_workers("reference", ["ref0"]) == 1
+    assert c.set_model_workers("critic", ["c0", "c1"]) == 2
+    # one reply carries both lists; a worker already at generation 2 gets nothing
+    assert c.sync(SyncRequest(worker_id=0, version=0, model_generation=1)).model_workers == (
+        2, {"reference": ["ref0"], "critic": ["c0", "c1"]})
+    assert c.sync(SyncRequest(worker_id=0, version=0, model_generation=2)).model_workers is None
+
+
+@pytest.mark.slow
+def test_controller_hands_back_groups_whose_reward_worker_died(ray_cluster):
+    from actors.controller import ControllerActor, SyncRequest
+    from tests.test_replay_queue import make_group, make_prompts
+
+    @ray.remote
+    class Scorer:
+        def score(self, group_id):
+            return make_group(group_id, [1, 0], 0)
+
+    dead = Scorer.remote()
+    ray.get(dead.score.remote("warm"))
+    ray.kill(dead)
+    live = Scorer.remote()
+    actor = ray.remote(ControllerActor).options(num_cpus=0).remote(make_prompts(20), 2, 1, False, 0, 1)
+    try:
+        granted = [g for g, _ in ray.get(actor.sync.remote(SyncRequest(worker_id=0, version=0, want=3))).granted]
+        scored = [(granted[0], live.score.remote(granted[0])), (granted[1], dead.score.remote(granted[1]))]
+        reply = ray.get(actor.sync.remote(SyncRequest(worker_id=0, version=0, scored=scored)))
+        # the dead worker's group comes back for re-scoring with its lease kept; the live one is queued
+        assert reply.rescore == [granted[1]]
+        stats = ray.get(actor.stats.remote())
+        assert stats["queue/depth"] == 1 and stats["queue/leased"] == 2  # g1 (re-scoring) and g2 (not sent)
+        assert stats["queue/rescored_reward_worker_died"] == 1 and "queue/dropped_reward_failed" not in stats
+        # on a worker's final call the same failure cannot be retried: dropped under its own reason
+        final = SyncRequest(worker_id=0, version=0, final=True, scored=[(granted[2], dead.score.remote(granted[2]))],
+                            dropped={"aborted_at_stop": [granted[1]]})
+        assert ray.get(actor.sync.remote(final)).rescore == []
+        stats = ray.get(actor.stats.remote())
+        assert stats["queue/dropped_reward_worker_died"] == 1 and stats["queue/leased"] == 0
+        assert stats["queue/admitted"] == stats["queue/depth"] + 2  # 1 queued + 1 aborted + 1 reward_worker_died
+    finally:
+        ray.kill(actor)
+        ray.kill(live)
+
+
+@pytest.mark.slow
+def test_controller_hands_back_groups_whose_reference_worker_died(ray_cluster):
+    from actors.controller import ControllerActor, StreamedGroup, SyncRequest
+    from tests.test_replay_queue import make_group, make_prompts
+
+    @ray.remote
+    class Scorer:
+        def score(self, group_id):
+            return make_group(group_id, [1, 0], 0)
+
+        def ref_logprobs(self, group_id):
+            return [[-1.0] * len(t.response_token_ids) for t in make_group(group_id, [1, 0], 0).trajectories]
+
+    dead = Scorer.remote()
+    ray.get(dead.score.remote("warm"))
+    ray.kill(dead)
+    live = Scorer.remote()
+    actor = ray.remote(ControllerActor).options(num_cpus=0).remote(make_prompts(20), 2, 1, False, 0, 1)
+    try:
+        g = [g for g, _ in ray.get(actor.sync.remote(SyncRequest(worker_id=0, version=0, want=3))).granted]
+        # reward scoring lives; the reference scoring of g1 died with its worker
+        scored = [(g[0], StreamedGroup(live.score.remote(g[0]), live.ref_logprobs.remote(g[0]), 0)),
+                  (g[1], StreamedGroup(live.score.remote(g[1]), dead.ref_logprobs.remote(g[1]), 1))]
+        reply = ray.get(actor.sync.remote(SyncRequest(worker_id=0, version=0, scored=scored)))
+        # handed back (lease kept) for reward and reference again; not a reward worker's death, not fatal
+        assert reply.rescore_reference == [g[1]] and reply.rescore == []
+        stats = ray.get(actor.stats.remote())
+        assert stats["queue/depth"] == 1 and stats["queue/leased"] == 2
+        assert stats["queue/rescored_reference_worker_died"] == 1 and stats["queue/rescored_reward_worker_died"] == 0
+        # on the final call it is dropped under its own reason
+        final = SyncRequest(worker_id=0, version=0, final=True, dropped={"aborted_at_stop": [g[2]]},
+                            scored=[(g[1], StreamedGroup(live.score.remote(g[1]), dead.ref_logprobs.remote(g[1]), 1))])
+        assert ray.get(actor.sync.remote(final)).rescore_reference == []
+        stats = ray.get(actor.stats.remote())
+        assert stats["queue/dropped_reference_worker_died"] == 1 and stats["queue/leased"] == 0
+        assert stats["queue/admitted"] == stats["queue/depth"] + 2
+        assert ray.get(actor.wait_batch.remote(0, 0.1)) is None  # no fatal error: the run goes on
+    finally:
+        ray.kill(actor)
+        ray.kill(live)
+
+
+# --- the learner ------------------------------------------------------------------------------------------------
+def normalizer_of(samples: dict, cfg):
+    lengths = torch.tensor([len(r) for r in samples["response_ids"]])
+    mask = torch.arange(int(lengths.max()))[None] < lengths[:, None]
+    return count_normalizer(mask, cfg.rollout.max_response_tokens)
+
+
+def snapshots(group) -> list[dict[str, torch.Tensor]]:
+    return ray.get([rank.state_snapshot.remote() for rank in group.ranks])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_ranks,zero_stage,dtype", [(2, 2, "float32"), (1, 3, "bfloat16")])
+def test_nonfinite_loss_skips_the_update_bitwise_and_training_goes_on(ray_cluster, tiny_models, num_ranks,
+                                                                      zero_stage, dtype):
+    from cluster.learner_group import LearnerGroup
+
+    cfg = load_config(None, [f"learner.num_ranks={num_ranks}", f"learner.zero_stage={zero_stage}",
+                             f"model.dtype={dtype}", "learner.prompts_per_step=2", "rollout.samples_per_prompt=4",
+                             "learner.micro_batch_size=2", "learner.lr=1e-3", "algorithm.preset=dapo"])
+    samples = make_batch(8)
+    poisoned = copy.deepcopy(samples)
+    # one sample's advantages are NaN: with 2 ranks it sits in one rank's shard only, so the ranks must agree
+    poisoned["advantages"][5] = [math.nan] * len(poisoned["advantages"][5])
+    norm = normalizer_of(samples, cfg)
+    group = LearnerGroup(cfg, tiny_models["untied"])
+    try:
+        first = group.train_step(samples, norm)  # a finite step first, so Adam's moments and step count exist
+        before = snapshots(group)
+        skipped = group.train_step(poisoned, norm)
+        after_skip = snapshots(group)
+        later = group.train_step(samples, norm)
+        after_later = snapshots(group)
+    finally:
+        group.shutdown()
+    assert first["learner/skipped_nonfinite"] == 0
+    assert skipped["learner/skipped_nonfinite"] == 1 and math.isnan(skipped["loss"])
+    assert not math.isfinite(skipped["grad_norm_max"])
+    for rank, (b, a) in enumerate(zip(before, after_skip)):
+        assert b.keys() == a.keys() and any(k.startswith("state/") for k in b), rank
+        for key in b:  # weights, fp32 master partitions, Adam moments and step counts: bitwise the same
+            assert torch.equal(b[key], a[key]), (rank, key)
+    # the next finite step trains: the count stays 1 and every rank's weights and moments move
+    assert later["learner/skipped_nonfinite"] == 1 and math.isfinite(later["loss"])
+    for rank, (a, c) in enumerate(zip(after_skip, after_later)):
+        assert any(not torch.equal(a[k], c[k]) for k in a if k.startswith("param/")), rank
+        assert any(not torch.equal(a[k], c[k]) for k in a if k.startswith("state/")), rank
+
+
+@pytest.mark.slow
+def test_a_dead_learner_rank_stops_the_step_with_its_rank_and_node(ray_cluster, tiny_models):
+    from cluster.learner_failure import LearnerRankLost
+    from cluster.learner_group import LearnerGroup
+
+    cfg = load_config(None, ["learner.num_ranks=2", "learner.zero_stage=2", "learner.prompts_per_step=2",
+                             "rollout.samples_per_prompt=4", "learner.micro_batch_size=2"])
+    samples = make_batch(8)
+    group = LearnerGroup(cfg, tiny_models["untied"])
+    try:
+        ray.kill(group.ranks[1])
+        # rank 0 waits in a collective for the dead one; the error comes from rank 1's failure, at once
+        lost = r"learner rank 1 on node [0-9a-f]+ \(.+\) died during a training step"
+        with pytest.raises(LearnerRankLost, match=lost):
+            group.train_step(samples, normalizer_of(samples, cfg))
+    finally:
+        group.shutdown()
+
+
+# --- the whole run ------------------------------------------------------------------------------------------------
+def run_and_kill(tmp_path, role: str, kill_after_steps: int, *overrides: str) -> tuple[dict, list[str], list[dict],
+                                                                                    dict]:
+    """A demo run (2 rollout and 2 reward workers) in which `role` worker 0 (rollout, reward, reference, or critic
+    rank 0) is killed once the learner has trained `kill_after_steps` batches. Returns (summary, trained group ids,
+    metrics rows, {"groups": the trained groups, "restart_s": seconds from the kill to the replacement counted})."""
+    import json
+    import threading
+    import time
+
+    from cluster.trainer import Trainer
+    from tests.test_pipeline import demo_config
+
+    cfg = demo_config(tmp_path, "train.steps=12", "train.max_staleness=1", "rollout.num_workers=2",
+                      "reward.num_workers=2", "rollout.prompts_in_flight=8", "data.num_eval_prompts=20",
+                      *overrides)
+    trainer = Trainer(cfg)
+    killed = threading.Event()
+    seen: dict = {"groups": []}
+    step = trainer.step
+    trainer.step = lambda groups: (seen["groups"].extend(groups), step(groups))[1]  # record what is trained
+
+    def killer() -> None:
+        while ray.get(trainer.controller.stats.remote())["queue/trained"] < kill_after_steps * 8:
+            time.sleep(0.2)
+        # a rollout worker is killed while it holds groups (leases), so there is something to release
+        while role == "rollout" and not ray.get(trainer.controller.leases_of.remote(0)):
+            time.sleep(0.01)
+        workers = {"rollout": trainer.rollout_workers, "reward": trainer.reward_workers,
+                   "reference": trainer.reference_workers,
+                   "critic": trainer.critic.ranks if trainer.critic is not None else []}[role]
+        ray.kill(workers[0])
+        start = time.monotonic()
+        killed.set()
+        while not trainer.supervisor.replaced[role] and time.monotonic() - start < 600:
+            time.sleep(0.05)
+        seen["restart_s"] = time.monotonic() - start
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    try:
+        summary = trainer.run()
+        trained = list(trainer.trained_group_ids)
+    finally:
+        trainer.shutdown()
+    assert killed.is_set(), "the run ended before the worker was killed"
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return summary, trained, rows, seen
+
+
+def check_finished_and_accounted(tmp_path, summary: dict, trained: list[str], rows: list[dict]) -> dict:
+    from pathlib import Path
+
+    # the run finished: 12 steps, final model, held-out accuracy after, summary.json on disk
+    assert summary["steps"] == 12 and len(rows) == 12
+    assert Path(summary["final_model"], "config.json").is_file() and (tmp_path / "summary.json").is_file()
+    assert 0.0 <= summary["accuracy_after"] <= 1.0
+    # every admitted group was trained, dropped with a reason, or is still queued; none trained twice
+    q = summary["queue"]
+    dropped = {k: v for k, v in q.items() if k.startswith("queue/dropped_")}
+    assert q["queue/admitted"] == q["queue/trained"] + sum(dropped.values()) + q["queue/depth"], (q, dropped)
+    assert len(trained) == len(set(trained)) == q["queue/trained"] == 12 * 8
+    return dropped
+
+
+@pytest.mark.slow
+def test_killed_rollout_worker_is_replaced_and_the_run_finishes(ray_cluster, tmp_path):
+    summary, trained, rows, _ = run_and_kill(tmp_path, "rollout", 4)
+    dropped = check_finished_and_accounted(tmp_path, summary, trained, rows)
+    assert summary["replaced_workers"] == {"rollout": 1, "reward": 0, "reference": 0, "critic": 0}
+    assert rows[-1]["fault/replaced_rollout"] == 1 and rows[0]["fault/replaced_rollout"] == 0
+    # the dead worker's leased groups were released under their own reason (it was generating when killed)
+    assert dropped.get("queue/dropped_rollout_worker_died", 0) >= 1, dropped
+    # the replacement (slot 0's final report) loaded the weights current when it started (version 4 or later,
+    # since 4 batches were trained before the kill) and then took work (its engine ran decode steps; on this
+    # machine its start takes about as long as the other worker needs for the remaining steps)
+    replacement = summary["rollout"][0]
+    assert replacement["versions_seen"][0] == 0 and replacement["versions_seen"][1] >= 4, replacement
+    assert replacement["generate_s"] > 0, replacement
+
+
+@pytest.mark.slow
+def test_killed_reward_worker_is_replaced_and_its_groups_rescored(ray_cluster, tmp_path):
+    summary, trained, rows, _ = run_and_kill(tmp_path, "reward", 4)
+    dropped = check_finished_and_accounted(tmp_path, summary, trained, rows)
+    assert summary["replaced_workers"] == {"rollout": 0, "reward": 1, "reference": 0, "critic": 0}
+    q = summary["queue"]
+    # groups whose scoring died with the worker went to the other one (or were dropped under their reason)
+    assert q["queue/rescored_reward_worker_died"] + dropped.get("queue/dropped_reward_worker_died", 0) >= 1, q
+    assert dropped.get("queue/dropped_reward_failed", 0) == 0, dropped
+    # evaluation after the run used the live workers: no held-out check was lost to the dead one
+    assert "eval/error_worker_died" not in summary["eval_after"], summary["eval_after"]
+
+
+@pytest.mark.slow
+def test_killed_reference_worker_is_replaced_and_its_groups_rescored(ray_cluster, tmp_path):
+    summary, trained, rows, seen = run_and_kill(tmp_path, "reference", 4, "algorithm.preset=grpo",
+                                                "reference.num_workers=1")
+    dropped = check_finished_and_accounted(tmp_path, summary, trained, rows)
+    print(f"reference worker: kill -> replacement counted in {seen['restart_s']:.1f} s; queue {summary['queue']}")
+    assert summary["replaced_workers"] == {"rollout": 0, "reward": 0, "reference": 1, "critic": 0}
+    assert rows[-1]["fault/replaced_reference"] == 1 and rows[0]["fault/replaced_reference"] == 0
+    # every trained trajectory carries the frozen reference's log-probs, one per response token
+    for t in [t for g in seen["groups"] for t in g.trajectories]:
+        assert t.ref_logprobs is not None and len(t.ref_logprobs) == len(t.response_token_ids)
+    # groups whose reference scoring died were sent again or dropped under their own reason, never taken for a
+    # reward worker's or a forward's failure
+    q = summary["queue"]
+    assert "queue/dropped_reference_failed" not in q and "queue/dropped_reward_failed" not in q, q
+    assert q["queue/rescored_reward_worker_died"] == 0, q
+
+
+@pytest.mark.slow
+def test_killed_critic_rank_restarts_the_critic_group_and_the_run_finishes(ray_cluster, tmp_path, caplog):
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="cluster.critic_group")
+    summary, trained, rows, seen = run_and_kill(tmp_path, "critic", 4, "algorithm.preset=ppo",
+                                                "critic.num_workers=2", "rollout.num_workers=1")
+    dropped = check_finished_and_accounted(tmp_path, summary, trained, rows)
+    print(f"critic rank: kill -> group restarted in {seen['restart_s']:.1f} s; queue {summary['queue']}")
+    assert summary["replaced_workers"] == {"rollout": 0, "reward": 0, "reference": 0, "critic": 1}
+    assert rows[-1]["fault/replaced_critic"] == 1 and rows[0]["fault/replaced_critic"] == 0
+    # rank 0 was killed: the new group started from rank 1's full weights (ZeRO-2), and the log says so
+    assert any("weights from the full weights of surviving rank 1" in r.getMessage() for r in caplog.records)
+    # every trained trajectory carries values; the critic version never went back and kept pace with the policy
+    for t in [t for g in seen["groups"] for t in g.trajectories]:
+        assert t.values is not None and len(t.values) == len(t.response_token_ids)
+    versions = [r["critic/version"] for r in rows if "critic/version" in r]
+    assert versions == sorted(versions) and versions[-1] >= 10, versions
+    assert (tmp_path / "final_critic" / "value_head.pt").is_file()
+    q = summary["queue"]
+    assert "queue/dropped_reward_failed" not in q and q["queue/rescored_reward_worker_died"] == 0, q
+    # groups that met the dead critic waited for the new ranks and were sent again, not dropped by the hundred
+    # (each rollout worker holds them until the restarted group's handles arrive)
+    assert dropped.get("queue/dropped_critic_failed", 0) <= 8, dropped
