@@ -33,6 +33,9 @@ SECTIONS: dict[str, str] = {
     "eval/": "held-out evaluation: eval/accuracy (greedy, the run's test split), eval/<set>/accuracy, "
              "eval/<set>/pass@<k>, eval/<set>/samples, eval/<set>/error_<kind> for each train.eval_sets entry",
     "data/": "loader counts (loaded, skipped_too_long) and the controller's data epoch",
+    "fault/": "the supervisor's counts since the run started: replaced_<role> (rollout, reward, reference, critic "
+              "workers replaced after they died) and resent_publishes (weight broadcasts sent again after a "
+              "rollout engine died in the collective)",
 }
 """Every name with a `/` belongs to one of these sections. Names without one are the objective's own
 (loss, pg_loss, kl, entropy, clip_frac*, ratio_*, is_*, grad_norm_max, num_tokens, policy_version, ...;

@@ -94,7 +94,7 @@ def test_killed_rollout_worker_rejoins_the_collective_weight_group(ray_cluster, 
     # test_worker_failure's check: here its leases may end before the kill lands, demo groups take a fraction of a
     # second)
     check_finished_and_accounted(tmp_path, summary, trained, rows)
-    assert summary["replaced_workers"] == {"rollout": 1, "reward": 0}
+    assert summary["replaced_workers"] == {"rollout": 1, "reward": 0, "reference": 0, "critic": 0}
     # before_a_publish: the broadcast of version 5 failed and went out again on the new group
     assert resent == (1 if moment == "before_a_publish" else 0)
     # the replacement's first load was the version announced when it joined (4 before the failed broadcast of 5,

@@ -11,6 +11,7 @@ import torch
 
 from learner.objective import count_normalizer
 from protocols.config import load_config
+from protocols.metrics import unknown_names
 from tests.test_learner_sharding import make_batch
 
 
@@ -94,7 +95,8 @@ def test_controller_hands_back_groups_whose_reward_worker_died(ray_cluster):
 
 @pytest.mark.slow
 def test_controller_hands_back_groups_whose_reference_worker_died(ray_cluster):
-    from actors.controller import ControllerActor, StreamedGroup, SyncRequest
+    from actors.controller import ControllerActor, SyncRequest
+    from actors.stream_join import StreamedGroup
     from tests.test_replay_queue import make_group, make_prompts
 
     @ray.remote
@@ -273,6 +275,7 @@ def test_killed_rollout_worker_is_replaced_and_the_run_finishes(ray_cluster, tmp
     dropped = check_finished_and_accounted(tmp_path, summary, trained, rows)
     assert summary["replaced_workers"] == {"rollout": 1, "reward": 0, "reference": 0, "critic": 0}
     assert rows[-1]["fault/replaced_rollout"] == 1 and rows[0]["fault/replaced_rollout"] == 0
+    assert unknown_names(rows[-1]) == []  # the supervisor's counters are documented in protocols/metrics.py
     # the dead worker's leased groups were released under their own reason (it was generating when killed)
     assert dropped.get("queue/dropped_rollout_worker_died", 0) >= 1, dropped
     # the replacement (slot 0's final report) loaded the weights current when it started (version 4 or later,
