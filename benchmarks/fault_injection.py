@@ -1,9 +1,11 @@
 """Fault injection: the demo job run once per fault, each injected at a seeded random step.
 
 Trials: `rollout` (one of two rollout workers killed with ray.kill), `reward` (one of two reward workers killed),
-`driver` (the driver process killed, then `relayrl train --resume`; see `trial_driver_resume`). For each trial it
-prints whether the run completed, admitted = trained + dropped (by reason) + queued, the groups trained twice
-(must be 0) and the held-out accuracy after.
+`driver` (the driver process killed, then `relayrl train --resume`; see `trial_driver_resume`), `reference` (the
+one reference worker of a `grpo` run killed), `critic` (rank 0 of a two-rank critic group of a `ppo` run killed).
+For each trial it prints whether the run completed, admitted = trained + dropped (by reason) + queued, the groups
+re-scored, the groups trained twice (must be 0), the held-out accuracy after and the seconds from the kill to the
+replacement counted.
     python benchmarks/fault_injection.py --steps 40 --seed 0 [--trials rollout,reward] [overrides...]
 """
 
@@ -26,16 +28,34 @@ COMMON = ["rollout.num_workers=2", "reward.num_workers=2", "train.max_staleness=
           "rollout.samples_per_prompt=8", "rollout.prompts_in_flight=8", "data.num_eval_prompts=100"]
 
 
-def kill_at_step(trainer: Trainer, role: str, index: int, step: int, done: threading.Event) -> threading.Thread:
-    """A thread that kills `role` worker `index` once the learner has trained `step` batches."""
+ROLE_SETTINGS = {
+    "rollout": [], "reward": [],
+    # the reference and critic groups run only with the presets that use them; a `ppo` run here keeps one rollout
+    # worker so the two critic ranks fit beside the learner on a 2-core machine
+    "reference": ["algorithm.preset=grpo", "reference.num_workers=1"],
+    "critic": ["algorithm.preset=ppo", "critic.num_workers=2", "rollout.num_workers=1"],
+}
+"""Settings each worker trial adds to COMMON (later settings win)."""
+
+
+def kill_at_step(trainer: Trainer, role: str, index: int, step: int, done: threading.Event,
+                 seen: dict) -> threading.Thread:
+    """A thread that kills `role` worker `index` once the learner has trained `step` batches, then records in
+    `seen["restart_s"]` the seconds until the supervisor counted its replacement."""
     per_step = trainer.cfg.learner.prompts_per_step
 
     def run() -> None:
         while ray.get(trainer.controller.stats.remote())["queue/trained"] < step * per_step:
             time.sleep(0.2)
-        workers = trainer.rollout_workers if role == "rollout" else trainer.reward_workers
+        workers = {"rollout": trainer.rollout_workers, "reward": trainer.reward_workers,
+                   "reference": trainer.reference_workers,
+                   "critic": trainer.critic.ranks if trainer.critic is not None else []}[role]
         ray.kill(workers[index])
+        start = time.monotonic()
         done.set()
+        while not trainer.supervisor.replaced[role] and time.monotonic() - start < 600:
+            time.sleep(0.05)
+        seen["restart_s"] = time.monotonic() - start
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -44,10 +64,11 @@ def kill_at_step(trainer: Trainer, role: str, index: int, step: int, done: threa
 
 def trial_worker_kill(role: str, steps: int, kill_step: int, overrides: list[str]) -> dict:
     out = Path(tempfile.mkdtemp(prefix=f"relayrl_fault_{role}_"))
-    cfg = load_config(None, [f"output_dir={out}", f"train.steps={steps}", *COMMON, *overrides])
+    cfg = load_config(None, [f"output_dir={out}", f"train.steps={steps}", *COMMON, *ROLE_SETTINGS[role],
+                             *overrides])
     trainer = Trainer(cfg)
-    killed = threading.Event()
-    kill_at_step(trainer, role, 0, kill_step, killed)
+    killed, seen = threading.Event(), {}
+    kill_at_step(trainer, role, 0, kill_step, killed, seen)
     start = time.perf_counter()
     try:
         summary = trainer.run()
@@ -64,7 +85,8 @@ def trial_worker_kill(role: str, steps: int, kill_step: int, overrides: list[str
         "completed": completed and (out / "summary.json").is_file() and (out / "final_model").is_dir(),
         "error": error, "queue": queue, "trained_ids": trained,
         "accuracy_before": summary.get("accuracy_before"), "accuracy_after": summary.get("accuracy_after"),
-        "replaced": summary.get("replaced_workers", {}), "wall_s": time.perf_counter() - start,
+        "replaced": summary.get("replaced_workers", {}), "restart_s": seen.get("restart_s"),
+        "wall_s": time.perf_counter() - start,
     }
 
 
@@ -112,17 +134,22 @@ def report(result: dict) -> None:
         total = q["queue/trained"] + sum(dropped.values()) + q["queue/depth"]
         print(f"admitted {q['queue/admitted']} = trained {q['queue/trained']} + dropped {sum(dropped.values())} "
               f"{dropped} + queued {q['queue/depth']} -> {'holds' if total == q['queue/admitted'] else 'BROKEN'}")
-        print(f"re-scored after a reward worker died: {q.get('queue/rescored_reward_worker_died', 0)}")
+        rescored = {k.removeprefix("queue/rescored_"): v for k, v in q.items() if k.startswith("queue/rescored_")}
+        print(f"re-scored after a worker died: {rescored}")
     ids = result["trained_ids"]
     print(f"groups trained twice: {len(ids) - len(set(ids))} (of {len(ids)} trained)")
     print(f"held-out accuracy: {result['accuracy_before']} -> {result['accuracy_after']}; "
           f"replaced workers / resume: {result['replaced']}; wall {result['wall_s']:.0f} s")
+    if result.get("restart_s") is not None:
+        print(f"kill -> replacement counted: {result['restart_s']:.1f} s")
 
 
 TRIALS = {
     "rollout": lambda steps, at, extra: trial_worker_kill("rollout", steps, at, extra),
     "reward": lambda steps, at, extra: trial_worker_kill("reward", steps, at, extra),
     "driver": trial_driver_resume,
+    "reference": lambda steps, at, extra: trial_worker_kill("reference", steps, at, extra),
+    "critic": lambda steps, at, extra: trial_worker_kill("critic", steps, at, extra),
 }
 
 
@@ -130,7 +157,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--trials", default="rollout,reward,driver")
+    parser.add_argument("--trials", default="rollout,reward,driver,reference,critic")
     args, extra = parser.parse_known_args()
     rng = random.Random(args.seed)
     for name in args.trials.split(","):

@@ -26,9 +26,13 @@ from learner.objective import gae_targets
 from learner.value_loss import finalize_value_metrics
 from protocols.algorithm import AlgorithmConfig
 from protocols.config import RunConfig
+from protocols.metrics import combine_metrics
 from protocols.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
+
+RANK_INVARIANT = ("critic/lr", "critic/version")
+"""Critic metrics every rank reports with the same value; the others are sums, counts or `_max` readings."""
 
 
 def critic_model_path(cfg: RunConfig, policy_path: str) -> str:
@@ -262,11 +266,11 @@ class CriticGroup:
                 self.version += 1
                 log.warning("critic rank %d died during an update; the update is lost", dead[0])
                 return {"critic/update_lost": 1.0}
-        summed: dict[str, float] = {}
-        for part in ray.get(refs):
-            for key, value in part.items():
-                summed[key] = max(summed.get(key, value), value) if key.endswith("_max") or key in (
-                    "critic/lr", "critic/version") else summed.get(key, 0.0) + value
+        parts = ray.get(refs)
+        # the learning rate and the version are the same on every rank: rank 0's stand; the rest merge by the rule
+        shared = {key: parts[0][key] for key in RANK_INVARIANT if key in parts[0]}
+        summed = {**combine_metrics({k: v for k, v in part.items() if k not in RANK_INVARIANT} for part in parts),
+                  **shared}
         self.version = int(summed.get("critic/version", self.version))
         return finalize_value_metrics(summed, returns_var)
 

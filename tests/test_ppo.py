@@ -8,6 +8,7 @@ import pytest
 
 from cluster.trainer import Trainer
 from protocols.config import load_config
+from protocols.metrics import unknown_names
 
 pytestmark = pytest.mark.slow
 
@@ -44,6 +45,7 @@ def test_short_ppo_run_stamps_values_on_every_trajectory(ray_cluster, tmp_path):
     for r in rows:
         assert math.isfinite(r["critic/value_loss"]) and r["critic/value_loss"] >= 0
         assert "kl" in r  # k1 KL in the reward, from the reference policy
+        assert unknown_names(r) == []  # critic/* among them: documented in protocols/metrics.py
     assert (tmp_path / "final_critic" / "value_head.pt").is_file()
     assert 0.0 <= summary["accuracy_after"] <= 1.0
 

@@ -1,0 +1,147 @@
+"""A learner rank's weights going out: to the rollout engines (the object store or the collective weight group,
+as `weight_sync.type` names; learner/weight_transport.py) and to a Hugging Face folder.
+
+`LearnerRank` (learner/learner_actor.py) mixes this in, so these stay remote methods of the rank. Under ZeRO-3
+every method that reads the weights is collective: all ranks call it together, since the parameters are
+gathered a bucket at a time.
+"""
+
+import time
+
+import torch
+
+from learner.weight_transport import CollectiveSender, HostBuffers, host_arrays, packed_num_bytes
+from learner.weight_wire import BucketLayout, WeightMeta, open_weight_group
+
+
+class RankWeights:
+    """Needs `self.engine` (the DeepSpeed engine), `self.cfg`, `self.rank`, `self.use_cuda`, `self.tied`,
+    `self.model_path` and `self._device()`; call `init_weights_out()` in the constructor."""
+
+    def init_weights_out(self) -> None:
+        self.host_buffers = HostBuffers(pin_memory=self.use_cuda)
+        """Reused host buffers of the object-store sender (page-locked on GPUs)."""
+        self.weight_sender: CollectiveSender | None = None
+        """The collective sender, once join_weight_group has run."""
+
+    def _full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model in HF checkpoint names on rank 0 (None elsewhere). Collective under ZeRO-3."""
+        module = self.engine.module
+        if self.cfg.learner.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+                state = self._host_copy(module) if self.rank == 0 else None
+        else:
+            state = self._host_copy(module) if self.rank == 0 else None
+        if state is not None and self.tied and "lm_head.weight" not in state:
+            # Tied embeddings: send lm_head explicitly so the engine's separate copy is refreshed too.
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        return state
+
+    def _host_copy(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        # From a GPU, .cpu() already copies (a second clone doubled the publish time on an H100). On CPU the
+        # state dict aliases the live parameters and, under ZeRO-3, gathered storage freed on exit: clone it.
+        if self.use_cuda:
+            return {k: v.detach().cpu() for k, v in module.state_dict().items()}
+        return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    def _weight_params(self) -> list[tuple[str, torch.nn.Parameter]]:
+        # remove_duplicate=False lists a tied lm_head under its own name: vLLM's CPU backend needs it loaded too.
+        return list(self.engine.module.named_parameters(remove_duplicate=False))
+
+    def _iter_weights(self):
+        """(name, tensor) in checkpoint names, in a fixed order, live views of the parameters. Under ZeRO-3 the
+        parameters are gathered `weight_sync.bucket_mb` at a time and released after the consumer has read
+        them, so the whole model is never materialized at once. Every rank must iterate it to the end (the
+        gathers are collectives); only rank 0's consumer uses the tensors."""
+        named = self._weight_params()
+        if self.cfg.learner.zero_stage != 3:
+            for name, param in named:
+                yield name, param.detach()
+            return
+        import deepspeed
+
+        limit = self.cfg.weight_sync.bucket_mb * 2**20
+        chunk, size = [], 0
+        for i, (name, param) in enumerate(named):
+            chunk.append((name, param))
+            size += param.ds_numel * param.element_size()
+            if size < limit and i + 1 < len(named):
+                continue
+            unique = list({id(p): p for _, p in chunk}.values())
+            with deepspeed.zero.GatheredParameters(unique, modifier_rank=None):
+                for chunk_name, chunk_param in chunk:
+                    yield chunk_name, chunk_param.detach()
+                if self.use_cuda:
+                    # Copies out of the gathered storage must land before the gather frees it.
+                    torch.cuda.current_stream().synchronize()
+            chunk, size = [], 0
+
+    def weight_metas(self) -> list[tuple[str, str, list[int]]]:
+        """(name, dtype, full shape) of every tensor the transport sends, in order (no gather needed)."""
+        out = []
+        for name, param in self._weight_params():
+            shape = tuple(getattr(param, "ds_shape", param.shape))
+            out.append((name, str(param.dtype).removeprefix("torch."), list(shape)))
+        return out
+
+    def weight_group_address(self) -> tuple[str, int]:
+        """Host and a free port on this rank's own node, for the weight group's store (rank 0 serves it)."""
+        import socket
+
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def join_weight_group(self, info: dict) -> str:
+        """Rank 0 joins the collective weight group as its rank 0 (the engines join at the same time)."""
+        if self.rank != 0:
+            return "not a member"
+        device = self._device() if info["backend"] == "nccl" else torch.device("cpu")
+        metas = [WeightMeta(n, d, tuple(s)) for n, d, s in info["metas"]]
+        group, store = open_weight_group(info["host"], info["port"], 0, info["world_size"], info["backend"],
+                                  info["timeout_s"], device)
+        self.weight_sender = CollectiveSender(group, store, BucketLayout(metas, info["bucket_bytes"]), device,
+                                              info["timeout_s"])
+        return "joined"
+
+    def publish_weights(self, version: int = 0) -> dict | None:
+        """Send the current weights as `version`. object_store: one `ray.put` of reused host buffers, rank 0
+        returns {refs, num_tensors, num_bytes, seconds}. collective: rank 0 broadcasts to the weight group and
+        returns the same with refs=[] (the engines already hold the weights). Other ranks return None."""
+        import ray
+
+        start = time.perf_counter()
+        weights = self._iter_weights()
+        if self.rank != 0:
+            for _ in weights:  # join the ZeRO-3 gathers
+                pass
+            return None
+        if self.cfg.weight_sync.type == "collective":
+            if self.weight_sender is None:
+                raise RuntimeError("weight_sync.type=collective but the learner has not joined the weight group; "
+                                   "the trainer calls LearnerGroup.join_weight_group after starting the workers")
+            sent = self.weight_sender.send(weights, version)
+            return {"refs": [], **sent, "seconds": time.perf_counter() - start}
+        # CPU parameters under ZeRO-2 are host memory already and stay put until the put returns: no extra copy.
+        reuse = self.use_cuda or self.cfg.learner.zero_stage == 3
+        packed = host_arrays(weights, self.host_buffers if reuse else None)
+        ref = ray.put(packed)
+        return {"refs": [ref], "num_tensors": len(packed), "num_bytes": packed_num_bytes(packed),
+                "seconds": time.perf_counter() - start}
+
+    def save_hf(self, folder: str) -> str | None:
+        """Write the model in Hugging Face format (rank 0). Collective under ZeRO-3."""
+        state = self._full_state_dict()
+        if state is None:
+            return None
+        from transformers import AutoTokenizer
+
+        # Under ZeRO-3 the module's own parameters are partitioned; the gathered state dict is what gets written.
+        self.engine.module.save_pretrained(folder, state_dict=state)
+        AutoTokenizer.from_pretrained(self.model_path).save_pretrained(folder)
+        return folder
