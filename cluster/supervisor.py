@@ -113,8 +113,13 @@ class Supervisor:
             if lost is not None:
                 self._restart_critic(*lost)
         if self.run_refs is not None:
-            ready, _ = ray.wait(self.run_refs, num_returns=len(self.run_refs), timeout=0)
+            live = [ref for ref in self.run_refs if ref is not None]
+            ready, _ = ray.wait(live, num_returns=len(live), timeout=0)
             for ref in ready:
+                if self.run_refs is None or ref not in self.run_refs:
+                    # a replacement before it (weight_sync.type=collective) stopped every run, which replaced
+                    # this dead worker too (stop_runs), and started new runs
+                    continue
                 index = self.run_refs.index(ref)
                 try:
                     report = ray.get(ref)

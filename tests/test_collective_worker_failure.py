@@ -107,3 +107,72 @@ def test_killed_rollout_worker_rejoins_the_collective_weight_group(ray_cluster, 
     assert gap < 1e-4, f"the replacement's engine is {gap} away from the learner's newest weights"
     print(f"{moment}: broadcasts resent {resent}, replacement log-prob gap {gap:.1e}, wall {summary['wall_seconds']:.0f} s")
     assert float((flat(survivor) - flat(learner)).abs().max()) < 1e-4
+
+
+@ray.remote(num_cpus=0)
+class StopResume:
+    """The controller's stop/resume stand-in."""
+
+    def __init__(self) -> None:
+        self.stopped = False
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def resume(self) -> None:
+        self.stopped = False
+
+    def is_stopped(self) -> bool:
+        return self.stopped
+
+
+@ray.remote(num_cpus=0)
+class Looping:
+    """A rollout worker's run() stand-in: it returns when the controller stops, or never if the actor dies."""
+
+    def __init__(self, controller) -> None:
+        self.controller = controller
+
+    def run(self) -> dict:
+        while not ray.get(self.controller.is_stopped.remote()):
+            time.sleep(0.05)
+        return {}
+
+
+@pytest.mark.slow
+def test_two_engines_dead_at_once_are_each_replaced_once(ray_cluster):
+    """Under weight_sync.type=collective the first replacement stops every run to rebuild the weight group;
+    stopping meets the second dead worker and replaces it there, so the health check that found both must not
+    replace it again (nor look up its old run ref among the new ones)."""
+    from cluster.supervisor import Supervisor
+    from protocols.config import load_config
+
+    cfg = load_config(None, ["rollout.num_workers=3"])
+    controller = StopResume.remote()
+    workers = [Looping.remote(controller) for _ in range(3)]
+    sup = Supervisor(cfg, None, controller, "unused", learner=None, rollout_workers=workers, reward_workers=[])
+    sup.start_runs()
+    replaced: list[int] = []
+
+    def replace(index: int, err: BaseException) -> None:
+        # _replace_rollout's collective path with the engine start and the weight group left out: a new actor
+        # in the slot, then every run stopped (which replaces any other dead one) and started again
+        replaced.append(index)
+        sup.rollout_workers[index] = Looping.remote(controller)
+        if sup.run_refs is not None:
+            sup.run_refs[index] = None
+            sup.stop_runs()
+            ray.get(controller.resume.remote())
+            sup.start_runs()
+
+    sup._replace_rollout = replace
+    ray.kill(workers[0])
+    ray.kill(workers[2])
+    ray.wait([sup.run_refs[0], sup.run_refs[2]], num_returns=2, timeout=60)
+    sup.check()
+    assert sorted(replaced) == [0, 2]
+    assert workers[1] in sup.rollout_workers and len(set(map(id, sup.rollout_workers))) == 3
+    sup.check()  # the new runs are alive: nothing more to replace
+    assert sorted(replaced) == [0, 2]
+    for worker in sup.rollout_workers:
+        ray.kill(worker)
