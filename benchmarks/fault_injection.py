@@ -47,10 +47,7 @@ def kill_at_step(trainer: Trainer, role: str, index: int, step: int, done: threa
     def run() -> None:
         while ray.get(trainer.controller.stats.remote())["queue/trained"] < step * per_step:
             time.sleep(0.2)
-        workers = {"rollout": trainer.rollout_workers, "reward": trainer.reward_workers,
-                   "reference": trainer.reference_workers,
-                   "critic": trainer.critic.ranks if trainer.critic is not None else []}[role]
-        ray.kill(workers[index])
+        ray.kill(trainer.supervisor.workers(role)[index])
         start = time.monotonic()
         done.set()
         while not trainer.supervisor.replaced[role] and time.monotonic() - start < 600:

@@ -218,6 +218,13 @@ class Supervisor:
             self.ensure_alive()
         return self.replaced["rollout"] > before
 
+    def workers(self, role: str) -> list:
+        """The current actor handles of `role` (one of ROLES; the critic's are its ranks)."""
+        if role == "critic":
+            return list(self.critic.ranks) if self.critic is not None else []
+        return list({"rollout": self.rollout_workers, "reward": self.reward_workers,
+                     "reference": self.reference_workers}[role])
+
     def metrics(self) -> dict[str, float]:
         return {**{f"fault/replaced_{role}": float(self.replaced[role]) for role in ROLES},
                 "fault/resent_publishes": float(self.resent_publishes)}

@@ -232,10 +232,7 @@ def run_and_kill(tmp_path, role: str, kill_after_steps: int, *overrides: str) ->
         # a rollout worker is killed while it holds groups (leases), so there is something to release
         while role == "rollout" and not ray.get(trainer.controller.leases_of.remote(0)):
             time.sleep(0.01)
-        workers = {"rollout": trainer.rollout_workers, "reward": trainer.reward_workers,
-                   "reference": trainer.reference_workers,
-                   "critic": trainer.critic.ranks if trainer.critic is not None else []}[role]
-        ray.kill(workers[0])
+        ray.kill(trainer.supervisor.workers(role)[0])
         start = time.monotonic()
         killed.set()
         while not trainer.supervisor.replaced[role] and time.monotonic() - start < 600:
