@@ -57,23 +57,41 @@ def test_new_reference_and_critic_lists_reach_workers_behind_them():
     assert c.sync(SyncRequest(worker_id=0, version=0, model_generation=2)).model_workers is None
 
 
-@pytest.mark.slow
-def test_controller_hands_back_groups_whose_reward_worker_died(ray_cluster):
+@ray.remote(num_cpus=0)
+class StandInScorer:
+    """A reward and reference worker stand-in: the same group and log-probs for every group id."""
+
+    def score(self, group_id):
+        from tests.test_replay_queue import make_group
+
+        return make_group(group_id, [1, 0], 0)
+
+    def ref_logprobs(self, group_id):
+        from tests.test_replay_queue import make_group
+
+        return [[-1.0] * len(t.response_token_ids) for t in make_group(group_id, [1, 0], 0).trajectories]
+
+
+def controller_with_three_leased_groups():
+    """(controller actor, the 3 group ids it granted worker 0, a dead scorer, a live scorer)."""
     from actors.controller import ControllerActor, SyncRequest
-    from tests.test_replay_queue import make_group, make_prompts
+    from tests.test_replay_queue import make_prompts
 
-    @ray.remote
-    class Scorer:
-        def score(self, group_id):
-            return make_group(group_id, [1, 0], 0)
-
-    dead = Scorer.remote()
+    dead = StandInScorer.remote()
     ray.get(dead.score.remote("warm"))
     ray.kill(dead)
-    live = Scorer.remote()
+    live = StandInScorer.remote()
     actor = ray.remote(ControllerActor).options(num_cpus=0).remote(make_prompts(20), 2, 1, False, 0, 1)
+    granted = [g for g, _ in ray.get(actor.sync.remote(SyncRequest(worker_id=0, version=0, want=3))).granted]
+    return actor, granted, dead, live
+
+
+@pytest.mark.slow
+def test_controller_hands_back_groups_whose_reward_worker_died(ray_cluster):
+    from actors.controller import SyncRequest
+
+    actor, granted, dead, live = controller_with_three_leased_groups()
     try:
-        granted = [g for g, _ in ray.get(actor.sync.remote(SyncRequest(worker_id=0, version=0, want=3))).granted]
         scored = [(granted[0], live.score.remote(granted[0])), (granted[1], dead.score.remote(granted[1]))]
         reply = ray.get(actor.sync.remote(SyncRequest(worker_id=0, version=0, scored=scored)))
         # the dead worker's group comes back for re-scoring with its lease kept; the live one is queued
@@ -95,25 +113,11 @@ def test_controller_hands_back_groups_whose_reward_worker_died(ray_cluster):
 
 @pytest.mark.slow
 def test_controller_hands_back_groups_whose_reference_worker_died(ray_cluster):
-    from actors.controller import ControllerActor, SyncRequest
+    from actors.controller import SyncRequest
     from actors.stream_join import StreamedGroup
-    from tests.test_replay_queue import make_group, make_prompts
 
-    @ray.remote
-    class Scorer:
-        def score(self, group_id):
-            return make_group(group_id, [1, 0], 0)
-
-        def ref_logprobs(self, group_id):
-            return [[-1.0] * len(t.response_token_ids) for t in make_group(group_id, [1, 0], 0).trajectories]
-
-    dead = Scorer.remote()
-    ray.get(dead.score.remote("warm"))
-    ray.kill(dead)
-    live = Scorer.remote()
-    actor = ray.remote(ControllerActor).options(num_cpus=0).remote(make_prompts(20), 2, 1, False, 0, 1)
+    actor, g, dead, live = controller_with_three_leased_groups()
     try:
-        g = [g for g, _ in ray.get(actor.sync.remote(SyncRequest(worker_id=0, version=0, want=3))).granted]
         # reward scoring lives; the reference scoring of g1 died with its worker
         scored = [(g[0], StreamedGroup(live.score.remote(g[0]), live.ref_logprobs.remote(g[0]), 0)),
                   (g[1], StreamedGroup(live.score.remote(g[1]), dead.ref_logprobs.remote(g[1]), 1))]
