@@ -7,14 +7,15 @@ reference scoring and holds no reference copy. Sharding is plain data parallel: 
 model and scores whole groups on its own (no collectives, so any worker takes any group; a model too large
 for one device would need ZeRO-3 inference, whose forwards are collectives every worker must join together).
 Scoring is the learner's own code (learner/shard_scoring.py): the same dtype, attention kernel, micro-batch
-plan, chunked LM head and temperature as the in-learner reference, so the numbers are the same.
+planner, chunked LM head and temperature as the in-learner reference, so the numbers are the same. Only the
+forward's size may differ (reference.max_tokens_per_micro_batch): the worker runs no backward.
 """
 
 import time
 
 import torch
 
-from learner.rank_setup import attention_implementation
+from learner.rank_setup import attention_implementation, plan_micro_batches
 from learner.shard_scoring import score_shard
 from protocols.config import RunConfig
 from protocols.trajectory import TrajectoryGroup
@@ -39,12 +40,18 @@ class ReferenceWorker:
                 from err
         self.model = model.eval().requires_grad_(False).to(self.device)
         self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-        self.counters = {"groups": 0, "samples": 0, "tokens": 0, "seconds": 0.0}
+        self.counters = {"groups": 0, "samples": 0, "tokens": 0, "micro_batches": 0, "seconds": 0.0}
+        budget = cfg.reference.max_tokens_per_micro_batch
+        self.scoring_cfg = cfg if budget == 0 else cfg.model_copy(
+            update={"learner": cfg.learner.model_copy(update={"max_tokens_per_micro_batch": budget})})
+        """The run's config with the reference's own forward budget in the learner's place: score_shard plans
+        micro-batches from learner.*."""
 
     def score_samples(self, samples: dict) -> list[list[float]]:
         """Reference log-probs of each response token for per-sample lists `prompt_ids` and `response_ids`."""
         start = time.perf_counter()
-        out = score_shard(self.model, samples, self.cfg, None, self.pad_id, self.device)
+        out = score_shard(self.model, samples, self.scoring_cfg, None, self.pad_id, self.device)
+        self.counters["micro_batches"] += len(plan_micro_batches(samples, self.scoring_cfg, None))
         self.counters["samples"] += len(out)
         self.counters["tokens"] += sum(len(r) for r in out)
         self.counters["seconds"] += time.perf_counter() - start
@@ -58,7 +65,8 @@ class ReferenceWorker:
                                    "response_ids": [t.response_token_ids for t in group.trajectories]})
 
     def stats(self) -> dict[str, float]:
-        """Counters since start: groups, samples, tokens scored and seconds spent scoring."""
+        """Counters since start: groups, samples, tokens scored, forwards (micro_batches) and seconds spent
+        scoring."""
         return dict(self.counters)
 
     def ping(self) -> int:

@@ -390,6 +390,11 @@ class RunConfig(BaseModel):
                 f"{self.algorithm.preset!r} has no KL term): nothing would read the reference log-probs the workers "
                 "compute. Set reference.num_workers=0, or give algorithm.kl.beta > 0 (e.g. preset grpo, rloo, "
                 "reinforce_pp)")
+        if self.reference.num_workers == 0 and self.reference.max_tokens_per_micro_batch > 0:
+            raise ValueError(
+                f"reference.max_tokens_per_micro_batch={self.reference.max_tokens_per_micro_batch} sets the reference "
+                "workers' forward size, but reference.num_workers=0 (the in-learner reference scores in the "
+                "learner's micro-batches). Set reference.num_workers > 0, or remove the setting")
         return self
 
     def _check_sequence_parallel_algorithm(self, sp: int) -> None:

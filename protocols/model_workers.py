@@ -97,6 +97,13 @@ class ReferenceConfig(BaseModel):
     """GPUs reserved per reference worker when cluster.use_gpus is true (ignored otherwise). A fraction lets
     workers share a GPU: the worker holds one copy of the weights and one micro-batch of activations."""
 
+    max_tokens_per_micro_batch: int = Field(0, ge=0, le=16_777_216)
+    """Token budget (prompt + response) of one reference forward; 0 scores in the learner's micro-batches
+    (learner.micro_batch_size or learner.max_tokens_per_micro_batch). A reference worker keeps no gradients,
+    optimizer state or activations for a backward pass, so on its own GPU it can take several times the
+    learner's budget: fewer, fuller forwards. The log-probs do not depend on it. A sample longer than the budget
+    is scored alone, never truncated."""
+
     resources: dict[str, float] = Field(default_factory=dict)
     """Custom Ray resources each reference worker's bundle asks for (per worker), to pin the group to chosen
     nodes, e.g. `{rollout_node: 1}` to keep it beside the engines whose groups it scores."""

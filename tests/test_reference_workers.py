@@ -67,6 +67,12 @@ def test_reward_kl_is_k1_on_behavior_logprobs_in_decoupled_mode():
     assert float(k3[0, 0]) == pytest.approx(0.1065307, rel=1e-6) and float(k3[0, 1]) == 0.0
 
 
+def test_reference_forward_budget_needs_reference_workers():
+    with pytest.raises(ConfigError, match=r"reference.max_tokens_per_micro_batch=4096 sets the reference workers' "
+                                          r"forward size, but reference.num_workers=0"):
+        load_config(None, ["algorithm.preset=grpo", "reference.max_tokens_per_micro_batch=4096"])
+
+
 # --- the real actors ------------------------------------------------------------------------------------------------
 def _samples(num: int, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
@@ -112,6 +118,26 @@ def test_reference_worker_matches_the_learners_reference_path(ray_cluster, tiny_
     assert gap <= 1e-5, gap
     assert all(v < 0 for row in got for v in row)  # log-probs of a 15-symbol vocabulary, none certain
     assert stats["groups"] == 2 and stats["samples"] == 8 and stats["tokens"] == sum(len(r) for r in got)
+
+
+def test_reference_forward_budget_changes_the_forwards_not_the_numbers(tiny_models):
+    from actors.reference_worker import ReferenceWorker
+
+    # 12 ragged samples of at most 5 prompt + 5 response tokens. Sample-count plan: micro_batch_size 2 -> 6
+    # forwards. Reference budget 128 tokens: padded rows cost 12 x the longest <= 12 x 10 = 120: one forward.
+    settings = ["algorithm.preset=grpo", "model.dtype=float32", "learner.micro_batch_size=2",
+                "reference.num_workers=1"]
+    samples = _samples(12, seed=3)
+    assert max(len(p) + len(r) for p, r in zip(samples["prompt_ids"], samples["response_ids"])) <= 10
+    learners = ReferenceWorker(load_config(None, settings), 0, tiny_models["tied"])
+    own = ReferenceWorker(load_config(None, [*settings, "reference.max_tokens_per_micro_batch=128"]), 0,
+                          tiny_models["tied"])
+    expected, got = learners.score_samples(samples), own.score_samples(samples)
+    assert learners.stats()["micro_batches"] == 6 and own.stats()["micro_batches"] == 1
+    assert [len(r) for r in got] == [len(r) for r in samples["response_ids"]]
+    # padding never reaches a real position, so the numbers match whatever the batch (fp32)
+    gap = max(abs(a - b) for row_a, row_b in zip(got, expected) for a, b in zip(row_a, row_b))
+    assert gap <= 1e-5, gap
 
 
 @pytest.mark.slow
