@@ -21,6 +21,11 @@ from protocols.config import RunConfig
 from protocols.trajectory import TrajectoryGroup
 
 
+COUNTERS = ("groups", "samples", "tokens", "micro_batches", "seconds")
+"""What a reference worker counts: groups and samples scored, tokens through the model (prompt + response),
+forwards, and seconds spent scoring."""
+
+
 class ReferenceWorker:
     def __init__(self, cfg: RunConfig, worker_index: int, model_path: str) -> None:
         from transformers import AutoModelForCausalLM
@@ -40,7 +45,9 @@ class ReferenceWorker:
                 from err
         self.model = model.eval().requires_grad_(False).to(self.device)
         self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-        self.counters = {"groups": 0, "samples": 0, "tokens": 0, "micro_batches": 0, "seconds": 0.0}
+        self.totals = dict.fromkeys(COUNTERS, 0.0)
+        self.since = dict.fromkeys(COUNTERS, 0.0)
+        """The same counts since the last `counters()` call (the driver's per-step log)."""
         budget = cfg.reference.max_tokens_per_micro_batch
         self.scoring_cfg = cfg if budget == 0 else cfg.model_copy(
             update={"learner": cfg.learner.model_copy(update={"max_tokens_per_micro_batch": budget})})
@@ -51,23 +58,32 @@ class ReferenceWorker:
         """Reference log-probs of each response token for per-sample lists `prompt_ids` and `response_ids`."""
         start = time.perf_counter()
         out = score_shard(self.model, samples, self.scoring_cfg, None, self.pad_id, self.device)
-        self.counters["micro_batches"] += len(plan_micro_batches(samples, self.scoring_cfg, None))
-        self.counters["samples"] += len(out)
-        self.counters["tokens"] += sum(len(r) for r in out)
-        self.counters["seconds"] += time.perf_counter() - start
+        self._count(micro_batches=len(plan_micro_batches(samples, self.scoring_cfg, None)), samples=len(out),
+                    tokens=sum(len(p) + len(r) for p, r in zip(samples["prompt_ids"], samples["response_ids"])),
+                    seconds=time.perf_counter() - start)
         return out
+
+    def _count(self, **amounts: float) -> None:
+        for name, amount in amounts.items():
+            self.totals[name] += amount
+            self.since[name] += amount
 
     def score_group(self, group: TrajectoryGroup) -> list[list[float]]:
         """Reference log-probs of every trajectory of `group`, in order (TrajectoryGroup.with_ref_logprobs
         attaches them). Returns lists, not the group: only the new numbers travel back."""
-        self.counters["groups"] += 1
+        self._count(groups=1)
         return self.score_samples({"prompt_ids": [t.prompt.prompt_token_ids for t in group.trajectories],
                                    "response_ids": [t.response_token_ids for t in group.trajectories]})
 
     def stats(self) -> dict[str, float]:
-        """Counters since start: groups, samples, tokens scored, forwards (micro_batches) and seconds spent
-        scoring."""
-        return dict(self.counters)
+        """COUNTERS since start."""
+        return dict(self.totals)
+
+    def counters(self) -> dict[str, float]:
+        """COUNTERS since the last call, then reset; the driver merges several workers' with
+        protocols.metrics.reference_worker_metrics."""
+        out, self.since = self.since, dict.fromkeys(COUNTERS, 0.0)
+        return out
 
     def ping(self) -> int:
         return self.worker_index

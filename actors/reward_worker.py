@@ -7,7 +7,6 @@ holds the logic and is tested without Ray. The driver creates `reward.num_worker
 import logging
 from collections import Counter
 
-from protocols.metrics import combine_metrics, reward_worker_metrics
 from protocols.reward import RewardConfig
 from protocols.trajectory import Prompt, TrajectoryGroup, VerifierResult
 from rewards.scorer import Scorer
@@ -89,36 +88,3 @@ def results_on_workers(reward_workers: list, prompts: list[Prompt], responses: l
         for j, result in zip(chunk, scored, strict=True):
             results[j] = result
     return results  # type: ignore[return-value]
-
-
-class CounterPoll:
-    """Collects the reward workers' counters for the run's log without ever blocking a step: a worker scores
-    groups one call at a time, so a `counters` call waits behind its queue. Each `read()` merges the answers
-    that arrived since the last one and asks again only the workers that answered, so counts arrive at most one
-    logged step late and none is lost or counted twice."""
-
-    def __init__(self, reward_workers: list) -> None:
-        # the driver's own list, not a copy: the supervisor swaps replacements into it in place
-        self.workers = reward_workers
-        self.pending: dict = {}  # ref -> worker index
-        self.total: dict[str, float] = {}
-
-    def read(self, wait_s: float = 0.0) -> dict[str, float]:
-        """`reward_worker/*` of the counters that arrived (waiting at most `wait_s` for outstanding ones)."""
-        import ray
-
-        asked = set(self.pending.values())
-        for i, worker in enumerate(self.workers):
-            if i not in asked:
-                self.pending[worker.counters.remote()] = i
-        ready, _ = ray.wait(list(self.pending), num_returns=len(self.pending), timeout=wait_s)
-        arrived = []
-        for ref in ready:
-            index = self.pending.pop(ref)
-            try:
-                arrived.append(ray.get(ref))
-            except ray.exceptions.RayError as err:
-                log.warning("reward worker %d's counters could not be read (%s); left out", index,
-                            type(err).__name__)
-        self.total = combine_metrics([self.total, *arrived])
-        return reward_worker_metrics(arrived)

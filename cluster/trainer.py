@@ -16,7 +16,8 @@ from tqdm import tqdm
 
 from actors.controller import ControllerActor
 from actors.reference_worker import ReferenceWorker
-from actors.reward_worker import CounterPoll, RewardWorker, score_on_workers
+from actors.counter_poll import CounterPoll
+from actors.reward_worker import RewardWorker, score_on_workers
 from actors.rollout_worker import RolloutWorker
 from cluster import checkpoint
 from cluster.critic_group import CriticGroup, check_critic_model, critic_model_path, critic_targets
@@ -36,7 +37,7 @@ from learner.objective import (
     kl_in_reward,
 )
 from protocols.config import RunConfig, dump_config
-from protocols.metrics import reward_worker_metrics, rollout_metrics
+from protocols.metrics import reference_worker_metrics, reward_worker_metrics, rollout_metrics
 from protocols.reward import RewardConfig
 from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup, WeightVersion
 from rewards.datasets import load_prompts
@@ -162,13 +163,14 @@ class Trainer:
         self.reward_workers = [ray.remote(RewardWorker).options(**reward_options(cfg, self.placement, i)).remote(
                                    cfg.reward, i)
                                for i in range(cfg.reward.num_workers)]
-        self.reward_counters = CounterPoll(self.reward_workers)
+        self.reward_counters = CounterPoll(self.reward_workers, "reward", reward_worker_metrics)
         # reference.num_workers > 0: the frozen reference scores groups on their way to the queue (the learner
         # ranks then hold no copy of it); 0 keeps it inside the learner.
         self.reference_workers = [
             ray.remote(ReferenceWorker).options(**reference_options(cfg, self.placement, i)).remote(
                 cfg, i, self.model_path)
             for i in range(cfg.reference.num_workers)]
+        self.reference_counters = CounterPoll(self.reference_workers, "reference", reference_worker_metrics)
         self.learner = LearnerGroup(cfg, self.model_path, self.placement)
         self.critic = (CriticGroup(cfg, critic_model_path(cfg, self.model_path), self.placement)
                        if cfg.critic.enabled else None)
@@ -298,6 +300,7 @@ class Trainer:
                 metrics.update(self._rollout_metrics())
                 metrics.update(self.supervisor.metrics())
                 metrics.update(self.reward_counters.read())
+                metrics.update(self.reference_counters.read())
                 metrics.update(self.data_counts)
                 folder.log(self.version, metrics)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", acc=f"{metrics['reward/accuracy']:.2f}")
@@ -315,7 +318,7 @@ class Trainer:
             self.critic.save(str(Path(folder.final_model_dir).parent / "final_critic"))
         stats = ray.get(self.controller.stats.remote())
         self.reward_counters.read(wait_s=30.0)
-        reward_totals = reward_worker_metrics([self.reward_counters.total])
+        self.reference_counters.read(wait_s=30.0)
         wall = self.wall_before + time.perf_counter() - self.job_start
         summary = {
             "accuracy_before": accuracy_before,
@@ -334,7 +337,8 @@ class Trainer:
             "resent_publishes": self.supervisor.resent_publishes,
             "learner_skipped_nonfinite": int(metrics.get("learner/skipped_nonfinite", 0)),
             # every reward worker's counters over the whole run (the metrics.jsonl lines are per logged step)
-            "reward_workers": reward_totals,
+            "reward_workers": self.reward_counters.totals(),
+            **({"reference_workers": self.reference_counters.totals()} if self.reference_workers else {}),
             "final_model": folder.final_model_dir,
             "trained_group_ids": list(self.trained_group_ids),
             **({"resume": self.resume_report} if self.resume_report else {}),

@@ -20,6 +20,9 @@ SECTIONS: dict[str, str] = {
     "reward_worker/": "the reward workers' own counters since the last logged step, over every group they scored "
                       "(dropped ones included): samples, error_<kind> (exception, timeout, crash, ...), "
                       "process_restarts, seconds_per_sample, reward_mean, correct_rate",
+    "reference_worker/": "the reference workers' own counters since the last logged step: groups, samples, "
+                         "micro_batches (forwards), seconds_per_group, tokens_per_s (prompt + response tokens per "
+                         "second of scoring)",
     "response/": "length_mean (tokens), truncated_frac",
     "staleness/": "mean, max, hist_<lag> (share of samples lag versions old), mixed_version_frac",
     "queue/": "the controller's replay queue: depth, admitted, received, trained, in_flight, leased, "
@@ -88,6 +91,21 @@ def reward_worker_metrics(counters: Iterable[Mapping[str, float]]) -> dict[str, 
         # the scorer's reward (verifier plus reward.shaping), before the learner's length shaping
         "reward_worker/reward_mean": c["reward_sum"] / n if n else 0.0,
         "reward_worker/correct_rate": c["correct"] / n if n else 0.0,
+    }
+
+
+# ----- reference workers ---------------------------------------------------------------------------------------
+def reference_worker_metrics(counters: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """`reference_worker/*` from the raw counters of one or more reference workers (ReferenceWorker.counters():
+    groups, samples, tokens, micro_batches, seconds), merged first so rates are weighted by work."""
+    c = Counter(combine_metrics(counters))
+    return {
+        "reference_worker/groups": c["groups"],
+        "reference_worker/samples": c["samples"],
+        "reference_worker/micro_batches": c["micro_batches"],
+        "reference_worker/seconds_per_group": c["seconds"] / c["groups"] if c["groups"] else 0.0,
+        # tokens through the model (prompt + response) per second of scoring, summed over the workers' time
+        "reference_worker/tokens_per_s": c["tokens"] / c["seconds"] if c["seconds"] else 0.0,
     }
 
 

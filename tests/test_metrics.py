@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from protocols.metrics import (SECTIONS, combine_metrics, eval_metrics, log_record, reward_worker_metrics,
+from protocols.metrics import (SECTIONS, combine_metrics, eval_metrics, log_record, reference_worker_metrics,
+                              reward_worker_metrics,
                                rollout_metrics, scalars, unknown_names)
 
 
@@ -57,6 +58,19 @@ def test_rollout_metrics_sum_over_workers():
     assert rollout_metrics(reports) == {"rollout/idle_frac": 0.2, "rollout/tokens_per_s": 100.0,
                                         "rollout/sync_s_total": 0.75}
     assert rollout_metrics([]) == {}
+
+
+def test_reference_worker_metrics_by_hand():
+    # two workers: 3 groups (600 tokens) in 1.5 s and 1 group (200 tokens) in 0.5 s
+    # seconds_per_group = (1.5 + 0.5) / 4 = 0.5; tokens_per_s = 800 / 2.0 = 400
+    got = reference_worker_metrics([
+        {"groups": 3, "samples": 24, "tokens": 600, "micro_batches": 3, "seconds": 1.5},
+        {"groups": 1, "samples": 8, "tokens": 200, "micro_batches": 2, "seconds": 0.5}])
+    assert got == {"reference_worker/groups": 4, "reference_worker/samples": 32, "reference_worker/micro_batches": 5,
+                   "reference_worker/seconds_per_group": 0.5, "reference_worker/tokens_per_s": 400.0}
+    assert unknown_names(got) == []
+    # nothing scored yet: zeros, not a division by zero
+    assert reference_worker_metrics([])["reference_worker/tokens_per_s"] == 0.0
 
 
 def test_eval_metrics_names():

@@ -6,6 +6,7 @@ import torch
 from cluster.placement import PlacementError, check_plan, parse_node_spec, plan_placement
 from cluster.reference_stream import reward_kl, streamed_ref_logprobs
 from protocols.config import ConfigError, load_config
+from protocols.metrics import unknown_names
 from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup
 
 
@@ -117,7 +118,8 @@ def test_reference_worker_matches_the_learners_reference_path(ray_cluster, tiny_
     gap = max(abs(a - b) for row_a, row_b in zip(got, expected) for a, b in zip(row_a, row_b))
     assert gap <= 1e-5, gap
     assert all(v < 0 for row in got for v in row)  # log-probs of a 15-symbol vocabulary, none certain
-    assert stats["groups"] == 2 and stats["samples"] == 8 and stats["tokens"] == sum(len(r) for r in got)
+    assert stats["groups"] == 2 and stats["samples"] == 8
+    assert stats["tokens"] == sum(len(p) + len(r) for p, r in zip(samples["prompt_ids"], samples["response_ids"]))
 
 
 def test_reference_forward_budget_changes_the_forwards_not_the_numbers(tiny_models):
@@ -183,6 +185,11 @@ def test_grpo_run_trains_on_streamed_ref_logprobs_without_a_learner_copy(ray_clu
             assert max(abs(a - b) for a, b in zip(t.ref_logprobs, t.behavior_logprobs)) < 1e-3
     assert stats["groups"] >= len(trained)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # the workers' own counters reach the log per step and the summary over the run, none lost or counted twice
+    totals = summary["reference_workers"]
+    assert totals["reference_worker/groups"] == stats["groups"] and totals["reference_worker/samples"] == stats["samples"]
+    assert sum(r["reference_worker/groups"] for r in rows) <= stats["groups"]
+    assert totals["reference_worker/tokens_per_s"] > 0 and unknown_names(rows[-1]) == []
     # step 1 trains version 0 = the reference: the KL in the loss (k3 from the streamed values against the
     # learner's own forward) is 0 up to float noise; after updates it stays a finite, non-negative k3 mean
     assert abs(rows[0]["kl"]) < 1e-5 and all(0 <= r["kl"] < 1 for r in rows)
