@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from cluster.model_folder import fit_lengths_to_model
 from protocols.config import RunConfig
 
 Status = Literal["ok", "error", "not checkable here"]
@@ -42,8 +43,6 @@ def check_settings(cfg: RunConfig) -> Check:
 def fit_context(cfg: RunConfig, folder: Path) -> tuple[RunConfig, str]:
     """(the config as the trainer would adjust it to the model's context, a note when it changes). Raises
     ValueError when no prompt fits."""
-    from cluster.trainer import fit_lengths_to_model
-
     fitted = fit_lengths_to_model(cfg, str(folder))
     if fitted.data.max_prompt_tokens == cfg.data.max_prompt_tokens:
         return fitted, ""

@@ -17,7 +17,8 @@ from typing import Any
 
 import ray
 
-from actors.reward_worker import results_on_workers
+from actors.reward_worker import results_on_workers, score_on_workers
+from cluster.model_folder import fit_lengths_to_model
 from protocols.config import RunConfig
 from protocols.data import DataConfig
 from protocols.metrics import eval_metrics
@@ -202,6 +203,28 @@ def load_eval_sets(cfg: RunConfig, tokenizer: Any) -> list[EvalSet]:
     return [load_eval_set(name, cfg.data, tokenizer) for name in cfg.train.eval_sets]
 
 
+def evaluate(workers: list, prompts: list[Prompt], reward_workers: list, reward_cfg: RewardConfig,
+             report: dict | None = None) -> float:
+    """Greedy held-out accuracy: prompts split over the rollout workers, responses scored by the reward workers
+    (with their timeouts, each prompt's own verifier and the run's `reward.*` settings). A verifier error or
+    timeout, or a reward worker lost, counts as wrong and is logged with counts by kind (also put in `report`,
+    when given, as `eval/error_<kind>` and `eval/samples`); it never stops the run."""
+    if not prompts:
+        return float("nan")
+    chunks = [prompts[i::len(workers)] for i in range(len(workers))]
+    texts = ray.get([w.generate_greedy.remote(c) for w, c in zip(workers, chunks)])
+    flat_prompts = [p for chunk in chunks for p in chunk]
+    flat_texts = [t for outs in texts for t in outs]
+    correct, errors = score_on_workers(reward_workers, flat_prompts, flat_texts, reward_cfg)
+    if errors:
+        log.warning("held-out evaluation: %d of %d checks failed and count as wrong (%s)", sum(errors.values()),
+                    len(prompts), ", ".join(f"{kind} {n}" for kind, n in sorted(errors.items())))
+    if report is not None:
+        report["eval/samples"] = len(prompts)
+        report.update({f"eval/error_{kind}": n for kind, n in errors.items()})
+    return sum(correct) / len(prompts)
+
+
 def evaluate_sets(rollout_workers: list, reward_workers: list, eval_sets: list[EvalSet], cfg: RunConfig,
                   step: int) -> dict[str, float]:
     """`eval/<set>/*` metrics for each set; generations go to <output_dir>/eval/<set>_step<step>.jsonl."""
@@ -226,7 +249,6 @@ def run_eval(cfg: RunConfig, model: str, data: str, samples: int, fields: dict[s
     from actors.rollout_worker import RolloutWorker
     from cluster.placement import create_placement
     from cluster.ray_setup import reward_options, rollout_options, start_ray
-    from cluster.trainer import fit_lengths_to_model
 
     if model == "demo":  # the cached warm-started demo model (built on first use), as `relayrl train` uses it
         from cluster.demo_model import prepare_demo_model

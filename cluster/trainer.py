@@ -15,14 +15,15 @@ import torch
 from tqdm import tqdm
 
 from actors.controller import ControllerActor
-from actors.reference_worker import ReferenceWorker
 from actors.counter_poll import CounterPoll
-from actors.reward_worker import RewardWorker, score_on_workers
+from actors.reference_worker import ReferenceWorker
+from actors.reward_worker import RewardWorker
 from actors.rollout_worker import RolloutWorker
 from cluster import checkpoint
 from cluster.critic_group import CriticGroup, check_critic_model, critic_model_path, critic_targets
-from cluster.evaluation import evaluate_sets, load_eval_sets
+from cluster.evaluation import evaluate, evaluate_sets, load_eval_sets
 from cluster.learner_group import LearnerGroup
+from cluster.model_folder import fit_lengths_to_model, resolve_model_path
 from cluster.placement import create_placement, precheck_embedded
 from cluster.plots import plot_after_run
 from cluster.ray_setup import reference_options, reward_options, rollout_options, start_ray
@@ -38,43 +39,11 @@ from learner.objective import (
 )
 from protocols.config import RunConfig, dump_config
 from protocols.metrics import reference_worker_metrics, reward_worker_metrics, rollout_metrics
-from protocols.reward import RewardConfig
-from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup, WeightVersion
+from protocols.trajectory import Trajectory, TrajectoryGroup, WeightVersion
 from rewards.datasets import load_prompts
 from rewards.registry import resolve_verifier
 
 log = logging.getLogger(__name__)
-
-
-def resolve_model_path(cfg: RunConfig) -> str:
-    """The policy's HF folder: `model.path`, or the cached warm-started demo model."""
-    if cfg.model.path:
-        if not (Path(cfg.model.path) / "config.json").is_file():
-            raise ValueError(
-                f"model.path={cfg.model.path!r} is not a Hugging Face model folder (no config.json there); give a "
-                "local folder with config.json, weights and tokenizer, or leave model.path empty for the demo model"
-            )
-        return cfg.model.path
-    from cluster.demo_model import prepare_demo_model
-
-    return prepare_demo_model(demo=cfg.model.demo, data=cfg.data)
-
-
-def fit_lengths_to_model(cfg: RunConfig, model_path: str) -> RunConfig:
-    """Prompt + response must fit the model's context; shrink data.max_prompt_tokens to fit, or fail early."""
-    model_cfg = json.loads((Path(model_path) / "config.json").read_text())
-    limit = model_cfg.get("max_position_embeddings")
-    if not limit or cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens <= limit:
-        return cfg
-    room = limit - cfg.rollout.max_response_tokens
-    if room < 1:
-        raise ValueError(
-            f"rollout.max_response_tokens={cfg.rollout.max_response_tokens} leaves no room for a prompt in the "
-            f"model's context of {limit} tokens (max_position_embeddings in {model_path}/config.json); lower it"
-        )
-    log.warning("data.max_prompt_tokens=%d lowered to %d to fit the model's context of %d tokens",
-                cfg.data.max_prompt_tokens, room, limit)
-    return cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_prompt_tokens": room})})
 
 
 def batch_tensors(trajectories: list[Trajectory], cfg: RunConfig) -> dict:
@@ -94,28 +63,6 @@ def staleness_metrics(trajectories: list[Trajectory], version: int) -> dict[str,
         out[f"staleness/hist_{lag}"] = count / len(lags)
     out["staleness/mixed_version_frac"] = sum(t.min_version != t.max_version for t in trajectories) / len(lags)
     return out
-
-
-def evaluate(workers: list, prompts: list[Prompt], reward_workers: list, reward_cfg: RewardConfig,
-             report: dict | None = None) -> float:
-    """Greedy held-out accuracy: prompts split over the rollout workers, responses scored by the reward workers
-    (with their timeouts, each prompt's own verifier and the run's `reward.*` settings). A verifier error or
-    timeout, or a reward worker lost, counts as wrong and is logged with counts by kind (also put in `report`,
-    when given, as `eval/error_<kind>` and `eval/samples`); it never stops the run."""
-    if not prompts:
-        return float("nan")
-    chunks = [prompts[i::len(workers)] for i in range(len(workers))]
-    texts = ray.get([w.generate_greedy.remote(c) for w, c in zip(workers, chunks)])
-    flat_prompts = [p for chunk in chunks for p in chunk]
-    flat_texts = [t for outs in texts for t in outs]
-    correct, errors = score_on_workers(reward_workers, flat_prompts, flat_texts, reward_cfg)
-    if errors:
-        log.warning("held-out evaluation: %d of %d checks failed and count as wrong (%s)", sum(errors.values()),
-                    len(prompts), ", ".join(f"{kind} {n}" for kind, n in sorted(errors.items())))
-    if report is not None:
-        report["eval/samples"] = len(prompts)
-        report.update({f"eval/error_{kind}": n for kind, n in errors.items()})
-    return sum(correct) / len(prompts)
 
 
 class Trainer:

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from cluster.trainer import fit_lengths_to_model
+from cluster.model_folder import fit_lengths_to_model
 from learner.micro_batches import check_fits_context, token_budget_micro_batches
 from protocols.config import load_config
 
