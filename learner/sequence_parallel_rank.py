@@ -11,11 +11,8 @@ over SP ranks and averaged over DP ranks. Its batch-size check counts world / sp
 import torch
 import torch.distributed as dist
 
-from learner.sequence_parallel import (
-    SequenceParallelGroups,
-    build_sequence_parallel_groups,
-    install_ulysses_attention,
-)
+from learner.sequence_parallel import SequenceParallelGroups, build_sequence_parallel_groups
+from learner.ulysses_attention import install_ulysses_attention
 
 
 class UlyssesMpu:

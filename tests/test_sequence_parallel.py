@@ -8,15 +8,14 @@ import pytest
 import torch
 
 from learner.sequence_parallel import (
-    check_heads_split,
     pack_row,
-    packed_causal_mask,
     per_sample_to_columns,
     response_values,
     sequence_parallel_layout,
     sequence_parallel_logprobs,
     shard_row,
 )
+from learner.ulysses_attention import check_heads_split, packed_causal_mask
 from protocols.config import ConfigError, load_config
 
 # --- groups and config ------------------------------------------------------------------------------------------
@@ -251,11 +250,8 @@ def _torch_path_worker(rank: int, port: int, folders: dict[str, str], out_path: 
     from transformers import AutoModelForCausalLM
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from learner.sequence_parallel import (
-        build_sequence_parallel_groups,
-        gather_sequence,
-        install_ulysses_attention,
-    )
+    from learner.sequence_parallel import build_sequence_parallel_groups, gather_sequence
+    from learner.ulysses_attention import install_ulysses_attention
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     groups = build_sequence_parallel_groups(2)
@@ -393,7 +389,7 @@ def _versus_deepspeed_ulysses(groups) -> float:
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from learner.sequence_parallel import UlyssesAttention
+    from learner.ulysses_attention import UlyssesAttention
 
     heads, kv_heads, head_dim, local = 4, 1, 64, 6
     gen = torch.Generator().manual_seed(11)
