@@ -29,6 +29,7 @@ from cluster.plots import plot_after_run
 from cluster.ray_setup import reference_options, reward_options, rollout_options, start_ray
 from cluster.reference_stream import reward_kl, streamed_ref_logprobs
 from cluster.run_folder import RunFolder
+from cluster.shared_folder import check_run_folder_shared
 from cluster.supervisor import Supervisor
 from learner.objective import (
     apply_reward_shaping,
@@ -83,6 +84,8 @@ class Trainer:
             check_critic_model(self.model_path, critic_model_path(cfg, self.model_path),
                                cfg.model.trust_remote_code)
         self.cfg = cfg = fit_lengths_to_model(cfg, self.model_path)
+        # every actor reads and writes the run folder by this one path, whatever its own working directory
+        self.cfg = cfg = cfg.model_copy(update={"output_dir": str(Path(cfg.output_dir).resolve())})
         # --resume: the checkpoint must be complete and its shapes this config's, checked before any actor starts
         if resume_dir is not None and Path(resume_dir).resolve() != Path(cfg.output_dir).resolve():
             raise checkpoint.CheckpointError(f"resuming the run in {resume_dir} needs output_dir={resume_dir}, got "
@@ -123,6 +126,10 @@ class Trainer:
                        if cfg.critic.enabled else None)
         if self.critic is not None:
             ray.get(self.controller.set_critic_actor_ids.remote(self.critic.actor_ids()))
+        # checkpoints and the final model are written by these ranks: one folder for all of them, on every node
+        check_run_folder_shared(cfg.output_dir, {"learner": self.learner.ranks,
+                                                 **({"critic": self.critic.ranks} if self.critic else {})},
+                                cfg.fault.worker_start_timeout_s)
         self.rollout_workers = [
             ray.remote(RolloutWorker).options(**rollout_options(cfg, self.placement, i)).remote(
                 cfg, i, self.model_path, self.controller, self.reward_workers,

@@ -14,6 +14,15 @@ from protocols.config import RunConfig
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def read_probe(path: str) -> tuple[str, str | None]:
+    import socket
+
+    try:
+        return socket.gethostname(), open(path).read()
+    except OSError:
+        return socket.gethostname(), None
+
+
 class DeepSpeedRank:
     """The preamble the policy's ranks (learner/learner_actor.py) and the critic's (learner/critic_rank.py)
     share: the rank's place in its group, its device, and joining the group's process group."""
@@ -30,6 +39,11 @@ class DeepSpeedRank:
 
     def _device(self) -> torch.device:
         return self.engine.device if self.use_cuda else torch.device("cpu")
+
+    def read_probe(self, path: str) -> tuple[str, str | None]:
+        """(this rank's host name, the text of `path`, or None if this rank cannot read it): the driver checks
+        that every rank sees the run folder it writes checkpoints and the final model into."""
+        return read_probe(path)
 
     def _join_process_group(self, init_distributed, master_addr: str, master_port: int, backend: str) -> None:
         """Join the group's process group, then seed torch the same on every rank (train.seed).
