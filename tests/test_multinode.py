@@ -128,3 +128,45 @@ def test_demo_job_trains_across_nodes(three_nodes, tmp_path):
           f"nodes, {summary['wall_seconds']:.0f} s")
     # 200 held-out problems: about 3.5 points of noise; the demo gains about 10 points in 80 steps
     assert summary["accuracy_after"] > summary["accuracy_before"] + 0.03, summary
+
+
+def test_ppo_with_reference_and_critic_on_their_nodes_checkpoints_and_resumes(three_nodes, tmp_path):
+    """Every role of a ppo run pinned across the three nodes (learner and critic on the learner node, rollout and
+    reference workers on the rollout node, reward worker on the head); a checkpoint written by ranks on another
+    node than the driver's; the run resumed from it on the same cluster."""
+    settings = [f"output_dir={tmp_path}", "algorithm.preset=ppo", "critic.num_workers=1", "reference.num_workers=1",
+                "train.save_every=3", "learner.prompts_per_step=8", "rollout.samples_per_prompt=8",
+                "data.num_eval_prompts=20", "cluster.learner_resources={learner_node: 0.5}",
+                "critic.resources={learner_node: 0.5}", "cluster.rollout_resources={rollout_node: 0.5}",
+                "reference.resources={rollout_node: 0.5}"]
+    trainer = Trainer(load_config(None, [*settings, "train.steps=6"]))
+    trained: list = []
+    step = trainer.step
+    trainer.step = lambda groups: (trained.extend(groups), step(groups))[1]  # record what the learner trains on
+    try:
+        nodes = {role: _node_of(actor) for role, actor in (
+            ("learner", trainer.learner.ranks[0]), ("critic", trainer.critic.ranks[0]),
+            ("rollout", trainer.rollout_workers[0]), ("reference", trainer.reference_workers[0]),
+            ("reward", trainer.reward_workers[0]))}
+        summary = trainer.run()
+    finally:
+        trainer.shutdown()
+    assert nodes == {"learner": three_nodes["learner"], "critic": three_nodes["learner"],
+                     "rollout": three_nodes["rollout"], "reference": three_nodes["rollout"],
+                     "reward": three_nodes["head"]}, nodes
+    # values from the critic's node and reference log-probs from the rollout node's worker on every sample
+    for t in [t for g in trained for t in g.trajectories]:
+        assert t.values is not None and len(t.values) == len(t.response_token_ids)
+        assert t.ref_logprobs is not None and len(t.ref_logprobs) == len(t.response_token_ids)
+    assert summary["steps"] == 6 and summary["reference_workers"]["reference_worker/groups"] >= len(trained)
+    newest = tmp_path / "checkpoints" / "step_000006"
+    assert (newest / "critic").is_dir() and (newest / "learner" / "rng_rank0.pt").is_file()
+
+    resumed = Trainer(load_config(None, [*settings, "train.steps=8"]), resume_dir=tmp_path)
+    try:
+        final = resumed.run()
+    finally:
+        resumed.shutdown()
+    assert final["resume"]["policy_version"] == 6 and final["steps"] == 8
+    ids = final["trained_group_ids"]
+    assert len(ids) == len(set(ids)) == 8 * 8  # 8 steps of 8 groups, each trained once across the resume
