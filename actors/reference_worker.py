@@ -57,8 +57,9 @@ class ReferenceWorker:
     def score_samples(self, samples: dict) -> list[list[float]]:
         """Reference log-probs of each response token for per-sample lists `prompt_ids` and `response_ids`."""
         start = time.perf_counter()
-        out = score_shard(self.model, samples, self.scoring_cfg, None, self.pad_id, self.device)
-        self._count(micro_batches=len(plan_micro_batches(samples, self.scoring_cfg, None)), samples=len(out),
+        plan = plan_micro_batches(samples, self.scoring_cfg, None)
+        out = score_shard(self.model, samples, self.scoring_cfg, None, self.pad_id, self.device, plan)
+        self._count(micro_batches=len(plan), samples=len(out),
                     tokens=sum(len(p) + len(r) for p, r in zip(samples["prompt_ids"], samples["response_ids"])),
                     seconds=time.perf_counter() - start)
         return out

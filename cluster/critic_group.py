@@ -18,7 +18,7 @@ import torch
 from actors.critic_worker import CriticWorker
 from cluster import checkpoint
 from cluster.learner_failure import dead_ranks
-from cluster.learner_group import _rendezvous_address
+from cluster.learner_group import rendezvous_address
 from cluster.placement import Placement
 from learner.batch import pad_per_token
 from learner.micro_batches import sample_count_micro_batches
@@ -136,7 +136,7 @@ class CriticGroup:
             cfg, r, n, self.model_path) for r in range(n)]
         one_node = self.placement is None or len(set(self.placement.bundle_nodes("critic"))) == 1
         try:
-            master, port = ray.get(self.ranks[0].__ray_call__.remote(_rendezvous_address, one_node), timeout=limit)
+            master, port = ray.get(self.ranks[0].__ray_call__.remote(rendezvous_address, one_node), timeout=limit)
             ray.get([rank.setup.remote(master, port, module_state, version) for rank in self.ranks], timeout=limit)
             self.all_actor_ids += ray.get([rank.actor_id.remote() for rank in self.ranks], timeout=limit)
         except ray.exceptions.GetTimeoutError as err:

@@ -22,7 +22,7 @@ from cluster.placement import Placement, create_placement
 from cluster.ray_setup import learner_options
 
 
-def _rendezvous_address(_rank0, all_on_one_node: bool) -> tuple[str, int]:
+def rendezvous_address(_rank0, all_on_one_node: bool) -> tuple[str, int]:
     """Runs inside rank 0's actor: a free port on its own node (a port free on the driver's node may be taken
     there), and its address, or loopback when every rank shares the node."""
     import ray
@@ -65,7 +65,7 @@ class LearnerGroup:
             cfg, r, n, model_path) for r in range(n)]
         one_node = len(set(self.placement.bundle_nodes("learner"))) == 1
         # __ray_call__ runs the function inside rank 0's own process, so the port is free on rank 0's node.
-        master, port = ray.get(self.ranks[0].__ray_call__.remote(_rendezvous_address, one_node))
+        master, port = ray.get(self.ranks[0].__ray_call__.remote(rendezvous_address, one_node))
         ray.get([rank.setup.remote(master, port) for rank in self.ranks])
         self.batches_trained = 0  # seeds each batch's mini-batch shuffle
         self.last_update_metrics: list[dict[str, float]] = []

@@ -29,13 +29,14 @@ def collate_micro_batch(shard: dict, idx: list[int], packing: bool, pad_id: int,
 
 @torch.no_grad()
 def score_shard(model: torch.nn.Module, shard: dict, cfg: RunConfig, count: int | None, pad_id: int,
-                device: torch.device) -> list[list[float]]:
+                device: torch.device, plan: list[list[int]] | None = None) -> list[list[float]]:
     """log p(response token) under `model` for every sample of `shard` (per-sample lists `prompt_ids`,
     `response_ids`), at rollout.temperature, in the micro-batches learner.micro_batch_size or
     learner.max_tokens_per_micro_batch plan (exactly `count` of them when given: under ZeRO-3 every rank must
-    run the same number of forwards), through the chunked head (learner.logits_chunk_tokens)."""
+    run the same number of forwards), through the chunked head (learner.logits_chunk_tokens). `plan`: that
+    plan when the caller already made it."""
     out: list[list[float] | None] = [None] * len(shard["prompt_ids"])
-    for idx in plan_micro_batches(shard, cfg, count):
+    for idx in plan if plan is not None else plan_micro_batches(shard, cfg, count):
         batch, _ = collate_micro_batch(shard, idx, cfg.learner.packing, pad_id, device)
         lps, _ = score_responses(model, batch, cfg.rollout.temperature, cfg.learner.logits_chunk_tokens)
         for row, i in zip(lps.cpu(), idx):

@@ -150,13 +150,6 @@ def install_ulysses_attention(model: torch.nn.Module, group: dist.ProcessGroup |
     return layers
 
 
-def remove_ulysses_attention(model: torch.nn.Module) -> None:
-    """Back to plain attention for `model` (the wrapper stays installed and passes through)."""
-    for module in model.modules():
-        if hasattr(module, "ulysses_attention"):
-            del module.ulysses_attention
-
-
 def _dispatcher(core: Callable) -> Callable:
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
         ulysses = getattr(module, "ulysses_attention", None)
