@@ -26,7 +26,9 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from protocols.data import DataConfig
 from protocols.model import DemoModelConfig
 from protocols.trajectory import Prompt, VerifierResult
-from rewards.arithmetic import arithmetic_problems, load_arithmetic_prompts, problem_text, verify_arithmetic
+from rewards.arithmetic import verify_arithmetic
+from rewards.arithmetic_data import arithmetic_problems, problem_text
+from rewards.datasets import load_arithmetic_prompts
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 SYMBOLS = [PAD, BOS, EOS, *"0123456789", "+", "="]

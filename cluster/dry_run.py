@@ -105,12 +105,10 @@ def check_model(cfg: RunConfig) -> tuple[Check, Any, RunConfig]:
 
 def check_data(cfg: RunConfig, split: Literal["train", "test"], tokenizer: Any) -> Check:
     """The split's first rows through the configured field mapping, template and tokenizer."""
-    from rewards.datasets import DataError, _map_row, _rows, encode_prompt
+    from rewards.datasets import DataError, _map_row, _rows, encode_prompt, load_arithmetic_prompts
 
     name = f"data ({split})"
     if cfg.data.format == "arithmetic":
-        from rewards.arithmetic import load_arithmetic_prompts
-
         prompts, counts = load_arithmetic_prompts(cfg.data, split, tokenizer)
         if not prompts:
             return Check(name, "error", f"no arithmetic prompt fits data.max_prompt_tokens={cfg.data.max_prompt_tokens}")

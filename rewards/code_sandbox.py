@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from protocols.reward import CodeSandboxConfig
+from protocols.reward import CodeSandboxConfig, RewardConfig
 from protocols.trajectory import Prompt, VerifierResult
 from rewards import sandbox_cgroup
-from rewards.registry import register_verifier
+from rewards.spec import VerifierSpec
 
 HARNESS = str(Path(__file__).with_name("_sandbox_harness.py"))
 SETUP_FAILED = 121
@@ -47,6 +47,10 @@ def configure(cfg: CodeSandboxConfig, sample_timeout_s: float) -> None:
     global _config, _sample_budget_s
     _config = cfg
     _sample_budget_s = 0.9 * sample_timeout_s
+
+
+def _configure_from(reward: RewardConfig) -> None:
+    configure(reward.code, reward.timeout_s)
 
 
 def extract_code(response: str, language_tags: list[str] | None = None) -> str | None:
@@ -247,7 +251,6 @@ def run_test(code: str, test: dict[str, Any], cfg: CodeSandboxConfig, timeout_s:
     return passed, "passed" if passed else "wrong_answer"
 
 
-@register_verifier("code")
 def verify_code(prompt: Prompt, response: str) -> VerifierResult:
     cfg = _config
     code = extract_code(response)
@@ -275,3 +278,6 @@ def verify_code(prompt: Prompt, response: str) -> VerifierResult:
     else:
         reward = info["tests_passed"] / total
     return VerifierResult(reward=reward, correct=all_passed, info=info)
+
+
+SPEC = VerifierSpec(name="code", fn=verify_code, configure=_configure_from)

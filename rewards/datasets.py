@@ -1,6 +1,7 @@
 """Prompt loaders: read a split of a dataset (JSONL or Parquet), map its fields, apply the chat template,
 tokenize, and skip prompts over `data.max_prompt_tokens`. The driver calls `load_prompts` once per split and
 feeds the prompts to the rollout workers; the gold answer and tests ride along in each `Prompt`.
+Imports data generators and answer formats only, never a verifier.
 """
 
 import json
@@ -10,8 +11,8 @@ from typing import Any, Literal
 
 from protocols.data import DataConfig
 from protocols.trajectory import Prompt
-from rewards.gsm8k import gold_answer as gsm8k_gold
-from rewards.math_answer import last_boxed
+from rewards.answer_formats import gsm8k_gold_answer, last_boxed
+from rewards.arithmetic_data import arithmetic_problems, problem_text
 
 Split = Literal["train", "test"]
 
@@ -24,8 +25,6 @@ def load_prompts(cfg: DataConfig, split: Split, tokenizer: Any) -> tuple[list[Pr
     """All usable prompts of `split` (at most `num_eval_prompts` for `test`) and counts: `data/loaded`,
     `data/skipped_too_long`."""
     if cfg.format == "arithmetic":
-        from rewards.arithmetic import load_arithmetic_prompts
-
         return load_arithmetic_prompts(cfg, split, tokenizer)
     setting = "data.train_path" if split == "train" else "data.test_path"
     path = cfg.train_path if split == "train" else cfg.test_path
@@ -56,6 +55,36 @@ def load_prompts(cfg: DataConfig, split: Split, tokenizer: Any) -> tuple[list[Pr
         )
         if limit is not None and len(prompts) >= limit:
             break
+    return prompts, {"data/loaded": len(prompts), "data/skipped_too_long": skipped}
+
+
+def load_arithmetic_prompts(
+    cfg: DataConfig, split: Split, tokenizer: Any, seed: int = 0
+) -> tuple[list[Prompt], dict[str, int]]:
+    """Prompts of one split (`arithmetic_num_train` for train, `num_eval_prompts` for test) and loader counts.
+
+    The problems come from rewards/arithmetic_data.py. The text `a+b=` goes through `data.prompt_template` and
+    the chat template like any dataset's (both are no-ops for the demo tokenizer with default settings, which
+    then only puts BOS in front). Prompts longer than `cfg.max_prompt_tokens` are skipped, never truncated, and
+    counted.
+    """
+    count = cfg.arithmetic_num_train if split == "train" else cfg.num_eval_prompts
+    prompts: list[Prompt] = []
+    skipped = 0
+    for i, (a, b) in enumerate(arithmetic_problems(cfg.arithmetic_max_operand, split, count, seed)):
+        text = cfg.prompt_template.replace("{prompt}", problem_text(a, b))
+        ids = encode_prompt(text, cfg, tokenizer)
+        if len(ids) > cfg.max_prompt_tokens:
+            skipped += 1
+            continue
+        prompts.append(
+            Prompt(
+                prompt_id=f"arithmetic/{split}/{i}",
+                prompt_token_ids=ids,
+                prompt_text=text,
+                answer=str(a + b),
+            )
+        )
     return prompts, {"data/loaded": len(prompts), "data/skipped_too_long": skipped}
 
 
@@ -113,7 +142,7 @@ def _map_row(row: dict, cfg: DataConfig, where: str) -> tuple[str, str, list[dic
         solution = str(_field(row, "answer", "data.format=gsm8k reads", where))
         if "####" not in solution:
             raise DataError(f"{where}: GSM8K answer has no `#### <number>` line; is data.format right?")
-        return str(_field(row, "question", "data.format=gsm8k reads", where)), gsm8k_gold(solution), []
+        return str(_field(row, "question", "data.format=gsm8k reads", where)), gsm8k_gold_answer(solution), []
     if cfg.format == "math":
         problem = str(_field(row, "problem", "data.format=math reads", where))
         if row.get("answer") not in (None, ""):

@@ -7,9 +7,11 @@ import re
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 
-from protocols.reward import Gsm8kConfig
+from protocols.reward import Gsm8kConfig, RewardConfig
 from protocols.trajectory import Prompt, VerifierResult
-from rewards.registry import register_verifier
+from rewards.answer_formats import GSM8K_MARKER
+from rewards.answer_formats import gsm8k_gold_answer as gold_answer
+from rewards.spec import VerifierSpec
 
 # Unicode minus signs and dashes written as minus ("−5", "–5") read as "-", in responses and gold alike, so
 # "#### −5" is -5 (never 5) on both sides.
@@ -20,7 +22,6 @@ _MINUS_SIGNS = str.maketrans({"\u2212": "-", "\u2013": "-", "\u2012": "-", "\ufe
 _NUMBER = re.compile(r"(?<![\w.])(-?)(\$?\s?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)")
 # What a minus between two of these is: subtraction ("10 - 5", "(3) - 2"), not the sign of the next number.
 _OPERAND_END = re.compile(r"[\d)\]}%]\s*$")
-_MARKER = "####"
 _STRICT = re.compile(r"^\s*(-?)(\$?\s?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)")
 
 _config = Gsm8kConfig()
@@ -31,6 +32,10 @@ def configure(cfg: Gsm8kConfig) -> None:
     process)."""
     global _config
     _config = cfg
+
+
+def _configure_from(reward: RewardConfig) -> None:
+    configure(reward.gsm8k)
 
 
 def normalize(text: str) -> str:
@@ -64,12 +69,12 @@ def extract_answer(response: str, mode: str | None = None) -> tuple[str | None, 
     mode = _config.mode if mode is None else mode
     text = normalize(response)
     if mode == "strict":
-        if _MARKER not in text:
+        if GSM8K_MARKER not in text:
             return None, ""
-        match = _STRICT.match(text.rsplit(_MARKER, 1)[1])
+        match = _STRICT.match(text.rsplit(GSM8K_MARKER, 1)[1])
         return (match.group(1) + match.group(2).strip(), "marker") if match else (None, "")
-    if _MARKER in text:
-        after = _numbers(text.rsplit(_MARKER, 1)[1])
+    if GSM8K_MARKER in text:
+        after = _numbers(text.rsplit(GSM8K_MARKER, 1)[1])
         if after:
             return after[0], "marker"
     numbers = _numbers(text)
@@ -78,14 +83,6 @@ def extract_answer(response: str, mode: str | None = None) -> tuple[str | None, 
     return None, ""
 
 
-def gold_answer(answer_field: str) -> str:
-    """The dataset's `answer` holds a worked solution ending in `#### 18`; a bare `18` is accepted as is."""
-    if _MARKER in answer_field:
-        return answer_field.rsplit(_MARKER, 1)[1].strip()
-    return answer_field.strip()
-
-
-@register_verifier("gsm8k")
 def verify_gsm8k(prompt: Prompt, response: str) -> VerifierResult:
     gold_text = gold_answer(prompt.answer)
     gold = parse_number(gold_text)
@@ -102,3 +99,6 @@ def verify_gsm8k(prompt: Prompt, response: str) -> VerifierResult:
         correct=correct,
         info={"extracted": extracted, "gold": gold_text, "source": source},
     )
+
+
+SPEC = VerifierSpec(name="gsm8k", fn=verify_gsm8k, configure=_configure_from)

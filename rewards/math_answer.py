@@ -10,12 +10,12 @@ import re
 from math_verify import parse, verify
 
 from protocols.trajectory import Prompt, VerifierResult
-from rewards.registry import register_verifier
+from rewards.answer_formats import last_boxed
+from rewards.spec import VerifierSpec
 
 # Parsing an adversarial expression (`9^{9^{9^9}}`) can run for ever; longer answers than this are refused
 # before sympy sees them, and the scorer's per-sample timeout covers the rest.
 MAX_ANSWER_CHARS = 400
-_BOX_COMMANDS = ("\\boxed", "\\fbox")
 # Spacing and sizing commands that never change an answer's meaning.
 _NO_MEANING = re.compile(r"\\left(?![a-zA-Z])|\\right(?![a-zA-Z])|\\[,;:! ]|~|\s+")
 
@@ -27,35 +27,6 @@ def _drop_timeout_notice(record: logging.LogRecord) -> bool:
 
 for _name in ("math_verify.parser", "math_verify.grader"):
     logging.getLogger(_name).addFilter(_drop_timeout_notice)
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` (nested braces balanced), or of `\\boxed 5`; None when absent."""
-    start = max(text.rfind(cmd) for cmd in _BOX_COMMANDS)
-    if start < 0:
-        return None
-    i = text.index("\\", start) + 1
-    while i < len(text) and text[i].isalpha():
-        i += 1
-    while i < len(text) and text[i] == " ":
-        i += 1
-    if i >= len(text):
-        return None
-    if text[i] != "{":
-        # `\boxed 5`: the argument runs to the next whitespace or `$`.
-        end = i
-        while end < len(text) and not text[end].isspace() and text[end] != "$":
-            end += 1
-        return text[i:end] or None
-    depth = 0
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i + 1 : j]
-    return None
 
 
 def gold_answer(answer: str) -> str:
@@ -95,7 +66,6 @@ def is_equivalent(gold: str, candidate: str) -> bool:
     return bool(verify(gold_parsed, candidate_parsed, timeout_seconds=None))
 
 
-@register_verifier("math")
 def verify_math(prompt: Prompt, response: str) -> VerifierResult:
     gold = gold_answer(prompt.answer)
     extracted = last_boxed(response)
@@ -109,3 +79,6 @@ def verify_math(prompt: Prompt, response: str) -> VerifierResult:
         return VerifierResult(reward=0.0, correct=False, info=info)
     correct = is_equivalent(gold, extracted)
     return VerifierResult(reward=1.0 if correct else 0.0, correct=correct, info=info)
+
+
+SPEC = VerifierSpec(name="math", fn=verify_math)

@@ -1,44 +1,54 @@
-"""Verifier registry: maps a name used in YAML (`reward.verifier: gsm8k`) to a scoring function.
+"""Verifier registry: maps a name used in YAML (`reward.verifier: gsm8k`) to a `VerifierSpec` (rewards/spec.py).
 
 A verifier has the signature `fn(prompt: Prompt, response_text: str) -> VerifierResult` (single form) or,
 registered with `batched=True`, `fn(prompts: list[Prompt], responses: list[str]) -> list[VerifierResult]`.
-User verifiers are loaded by import path `module:function` (see `resolve_verifier`).
+The built-in specs come from rewards/builtin.py, imported on first use; user verifiers are registered with
+`register_verifier` or loaded by import path `module:function` (see `resolve_verifier`). Verifier modules never
+import this module, so the imports run one way: registry -> builtin -> verifiers -> spec.
 """
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from protocols.trajectory import Prompt, VerifierResult
-
-SingleVerifier = Callable[[Prompt, str], VerifierResult]
-
-
-@dataclass(frozen=True)
-class VerifierSpec:
-    name: str
-    fn: Callable
-    batched: bool = False
-
+from protocols.reward import RewardConfig
+from rewards.spec import VerifierSpec
 
 _REGISTRY: dict[str, VerifierSpec] = {}
+_builtins_loaded = False
 
 
-def register_verifier(name: str, batched: bool = False) -> Callable[[Callable], Callable]:
-    """Decorator: `@register_verifier("gsm8k")` makes the function usable as `reward.verifier: gsm8k`."""
+def _add(spec: VerifierSpec) -> None:
+    if spec.name in _REGISTRY and _REGISTRY[spec.name].fn is not spec.fn:
+        raise ValueError(
+            f"verifier name {spec.name!r} is already registered by {_REGISTRY[spec.name].fn!r}; pick another name"
+        )
+    _REGISTRY[spec.name] = spec
+
+
+def register_verifier(
+    name: str, batched: bool = False, configure: Callable[[RewardConfig], None] | None = None
+) -> Callable[[Callable], Callable]:
+    """Decorator: `@register_verifier("mine")` makes the function usable as `reward.verifier: mine`; `configure`
+    receives the run's `reward` settings in each scorer process before scoring."""
 
     def wrap(fn: Callable) -> Callable:
-        if name in _REGISTRY and _REGISTRY[name].fn is not fn:
-            raise ValueError(f"verifier name {name!r} is already registered by {_REGISTRY[name].fn!r}; pick another name")
-        _REGISTRY[name] = VerifierSpec(name=name, fn=fn, batched=batched)
+        _add(VerifierSpec(name=name, fn=fn, batched=batched, configure=configure))
         return fn
 
     return wrap
 
 
 def _import_builtins() -> None:
-    # Importing the modules runs their @register_verifier decorators.
-    importlib.import_module("rewards.builtin")
+    # Imported on first use, not at module level: the math verifier pulls in sympy, which the driver's
+    # config checks do not need.
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    from rewards.builtin import BUILTIN_SPECS
+
+    for spec in BUILTIN_SPECS:
+        _add(spec)
+    _builtins_loaded = True
 
 
 def resolve_verifier(name: str) -> VerifierSpec:
@@ -63,3 +73,12 @@ def resolve_verifier(name: str) -> VerifierSpec:
 def registered_names() -> list[str]:
     _import_builtins()
     return sorted(_REGISTRY)
+
+
+def configure_verifiers(cfg: RewardConfig) -> None:
+    """Hand `cfg` to the `configure` hook of every registered verifier, so a prompt that names another
+    verifier than `reward.verifier` is scored with the same settings. The scorer calls it in each pool process."""
+    _import_builtins()
+    for spec in list(_REGISTRY.values()):
+        if spec.configure is not None:
+            spec.configure(cfg)

@@ -315,6 +315,15 @@ def _plain(result: dict) -> dict:
     return result
 
 
+def setup_verifiers(cfg: RewardConfig) -> None:
+    """What a pool process does once before scoring: resolve `reward.verifier` (importing a user's module) and
+    hand `cfg` to every registered verifier's own `configure` hook. The scorer names no verifier."""
+    from rewards.registry import configure_verifiers, resolve_verifier
+
+    resolve_verifier(cfg.verifier)
+    configure_verifiers(cfg)
+
+
 def _watch_parent(parent_pid: int) -> None:
     # A hung verifier never reads the closed pipe, so the process would outlive a killed reward worker.
     while True:
@@ -328,12 +337,7 @@ def _child_main(read_fd: int, write_fd: int) -> None:
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     cfg = RewardConfig.model_validate(inbox.recv())
     try:
-        from rewards import code_sandbox, gsm8k
-        from rewards.registry import resolve_verifier
-
-        code_sandbox.configure(cfg.code, cfg.timeout_s)
-        gsm8k.configure(cfg.gsm8k)
-        resolve_verifier(cfg.verifier)
+        setup_verifiers(cfg)
     except Exception as err:  # noqa: BLE001 - reported to the parent, which raises with this text
         outbox.send(("init_error", f"{type(err).__name__}: {err}"))
         return

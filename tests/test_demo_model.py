@@ -21,7 +21,8 @@ from cluster.demo_model import (
 from protocols.data import DataConfig
 from protocols.model import DemoModelConfig, ModelConfig
 from protocols.trajectory import Prompt, VerifierResult
-from rewards.arithmetic import load_arithmetic_prompts, verify_arithmetic
+from rewards.arithmetic import verify_arithmetic
+from rewards.datasets import load_arithmetic_prompts
 
 
 def test_tokenizer_encodes_characters_after_bos(tmp_path):

@@ -4,13 +4,9 @@ import pytest
 
 from protocols.data import DataConfig
 from protocols.trajectory import Prompt
-from rewards.arithmetic import (
-    arithmetic_problems,
-    load_arithmetic_prompts,
-    pair_split,
-    problem_text,
-    verify_arithmetic,
-)
+from rewards.arithmetic import verify_arithmetic
+from rewards.arithmetic_data import arithmetic_problems, pair_split, problem_text
+from rewards.datasets import load_arithmetic_prompts
 from rewards.registry import resolve_verifier
 
 
