@@ -12,13 +12,11 @@ import time
 import zlib
 
 import ray
-import torch
 
 from actors.stream_join import StreamedGroup
 from actors.vllm_weights import load_checkpoint_weights, tensor_parallel_engine_args
-from actors.weight_receiver import CollectiveReceiver, ObjectStoreReceiver
 from actors.worker_policy import PolicySettings, WorkerPolicy
-from learner.weight_wire import WeightMeta
+from learner.weight_backends import weight_backend
 from protocols.config import RunConfig
 from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup
 
@@ -117,18 +115,14 @@ class RolloutWorker:
         its score."""
         self.versions_seen: list[int] = [0]
         self.sync_seconds = 0.0
-        # weight_sync.type=collective swaps in a CollectiveReceiver at join_weight_group.
-        self.receiver = ObjectStoreReceiver()
+        self.receiver = weight_backend(cfg).receiver(cfg)
+        """The configured transport's receiver (learner/transport_*.py); a group-forming one is joined later."""
 
     # --- weights -----------------------------------------------------------------------------------------------
     def join_weight_group(self, info: dict) -> int:
-        """Join the collective weight group as rank `info["rank"]`; every member calls this at the same time.
-        Starts the receiver thread. Returns the rank."""
-        metas = [WeightMeta(name, dtype, tuple(shape)) for name, dtype, shape in info["metas"]]
-        self.receiver.close()  # a rejoin after a worker was replaced: the old group's receiver thread ends
-        device = torch.device("cuda") if info["backend"] == "nccl" else torch.device("cpu")
-        self.receiver = CollectiveReceiver(info["host"], info["port"], info["rank"], info["world_size"],
-                                           info["backend"], info["timeout_s"], metas, info["bucket_bytes"], device)
+        """Join the weight group as rank `info["rank"]`, for a transport that forms one; every member calls this
+        at the same time. A rejoin (after a worker was replaced) leaves the old group first. Returns the rank."""
+        self.receiver.join(info)
         return info["rank"]
 
     def load_weights(self, version: int, refs: list) -> float:
@@ -138,12 +132,7 @@ class RolloutWorker:
         if version <= self.version:
             raise ValueError(f"worker {self.worker_id}: weight version {version} is not newer than {self.version}")
         start = time.perf_counter()
-        loaded, weights = self.receiver.fetch(version, refs)
-        try:
-            load_checkpoint_weights(self.llm, weights)
-        finally:
-            self.receiver.release()
-        version = loaded
+        version = self.receiver.load(version, refs, lambda weights: load_checkpoint_weights(self.llm, weights))
         self.version = version
         self.versions_seen.append(version)
         seconds = time.perf_counter() - start

@@ -53,6 +53,12 @@ def qwen2_tensors(shape: str, dtype: torch.dtype, device: str = "cpu", layers: i
     return out
 
 
+def _group_info(host: str, port: int, world: int, metas: list, bucket_bytes: int) -> dict:
+    """The join info of learner/transport_collective.py's group_info, on gloo with a 300 s limit."""
+    return {"host": host, "port": port, "world_size": world, "backend": "gloo", "timeout_s": 300.0,
+            "bucket_bytes": bucket_bytes, "metas": metas}
+
+
 class Sender:
     """Learner rank 0's side: the parameters and one sender per backend."""
 
@@ -62,7 +68,7 @@ class Sender:
         self.collective = None
 
     def metas(self) -> list:
-        from learner.weight_wire import metas_of
+        from protocols.weight_wire import metas_of
 
         return [(m.name, m.dtype, list(m.shape)) for m in metas_of(self.weights)]
 
@@ -74,23 +80,21 @@ class Sender:
             return "127.0.0.1", s.getsockname()[1]
 
     def join(self, host: str, port: int, world: int, bucket_bytes: int) -> None:
-        from learner.weight_transport import CollectiveSender
-        from learner.weight_wire import BucketLayout, metas_of, open_weight_group
+        from learner.transport_collective import CollectiveSender
 
-        group, store = open_weight_group(host, port, 0, world, "gloo", 300.0)
-        self.collective = CollectiveSender(group, store, BucketLayout(metas_of(self.weights), bucket_bytes),
-                                           torch.device("cpu"), 300.0)
+        self.collective = CollectiveSender(None, on_gpu=False)
+        self.collective.join(_group_info(host, port, world, self.metas(), bucket_bytes), torch.device("cpu"))
 
     def publish_object_store(self) -> list:
         import ray
 
-        from learner.weight_transport import host_arrays
+        from learner.transport_object_store import host_arrays
 
         # As LearnerRank.publish_weights on CPU under ZeRO-2: the parameters are put as they are.
         return [ray.put(host_arrays(iter(self.weights), None))]
 
     def publish_collective(self, version: int) -> list:
-        self.collective.send(iter(self.weights), version)
+        self.collective.publish(iter(self.weights), version)
         return []
 
     def num_bytes(self) -> int:
@@ -101,33 +105,29 @@ class Receiver:
     """A rollout worker's side, without the engine: the real receiver classes."""
 
     def __init__(self) -> None:
-        from actors.weight_receiver import ObjectStoreReceiver
+        from learner.transport_object_store import ObjectStoreReceiver
 
         torch.set_num_threads(1)
-        self.receiver = ObjectStoreReceiver()
+        self.receiver = ObjectStoreReceiver(None)
 
     def join(self, host: str, port: int, rank: int, world: int, metas: list, bucket_bytes: int) -> None:
-        from actors.weight_receiver import CollectiveReceiver
-        from learner.weight_wire import WeightMeta
+        from learner.transport_collective import CollectiveReceiver
 
         self.receiver.close()
-        self.receiver = CollectiveReceiver(host, port, rank, world, "gloo", 300.0,
-                                           [WeightMeta(n, d, tuple(s)) for n, d, s in metas], bucket_bytes,
-                                           torch.device("cpu"))
+        self.receiver = CollectiveReceiver(None)
+        self.receiver.join({**_group_info(host, port, world, metas, bucket_bytes), "rank": rank})
 
     def take(self, version: int, refs: list) -> int:
-        got, weights = self.receiver.fetch(version, refs)
-        try:
+        def apply(weights: list) -> None:
             assert len(weights) > 0
-        finally:
-            self.receiver.release()
-        return got
+
+        return self.receiver.load(version, refs, apply)
 
     def leave(self) -> None:
         self.receiver.close()
-        from actors.weight_receiver import ObjectStoreReceiver
+        from learner.transport_object_store import ObjectStoreReceiver
 
-        self.receiver = ObjectStoreReceiver()
+        self.receiver = ObjectStoreReceiver(None)
 
 
 def run_ray(args) -> None:
@@ -186,7 +186,7 @@ def run_ray(args) -> None:
 
 def run_host_copy(shape: str, repeats: int) -> None:
     """The object-store sender's host copy on a GPU: reusable page-locked buffers (goal <= 0.1 s for 1.5b)."""
-    from learner.weight_transport import HostBuffers, host_copy_seconds
+    from learner.transport_object_store import HostBuffers, host_copy_seconds
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     weights = qwen2_tensors(shape, torch.bfloat16, device=device)

@@ -16,6 +16,7 @@ from learner.rank_setup import plan_micro_batches, sample_tokens
 from learner.micro_batches import plan_ranks
 from learner.objective import LossNormalizer, combine_metrics, finalize_metrics, needs_proximal_logprobs
 from learner.update_plan import check_batch_normalizer, combine_updates, mini_batch_order, sample_normalizer
+from learner.weight_backends import weight_backend
 from protocols.config import RunConfig
 from cluster.learner_failure import gather_ranks
 from cluster.placement import Placement, create_placement
@@ -140,20 +141,21 @@ class LearnerGroup:
         return self._gather([rank.publish_weights.remote(version) for rank in self.ranks], "a weight publish")[0]
 
     def join_weight_group(self, engines: list) -> dict:
-        """weight_sync.type=collective: learner rank 0 (group rank 0) and one receiver per rollout engine (ranks
-        1..N) open the weight group together. An engine with tensor parallelism joins once: its receiver loads
-        the full checkpoint-format tensors into every engine rank, and vLLM's weight loaders shard them.
-        Returns the join info. Raises with the settings to change if a member cannot join in time."""
-        ws = self.cfg.weight_sync
-        backend = ws.backend if ws.backend != "auto" else ("nccl" if self.cfg.cluster.use_gpus else "gloo")
+        """For a weight transport that forms a group (`collective`; WeightBackend.group_info): learner rank 0
+        (group rank 0) and one receiver per rollout engine (ranks 1..N) open the weight group together. An engine
+        with tensor parallelism joins once: its receiver loads the full checkpoint-format tensors into every
+        engine rank, and vLLM's weight loaders shard them. Returns the join info ({} for a transport without a
+        group: nothing to join). Raises with the settings to change if a member cannot join in time."""
+        backend = weight_backend(self.cfg)
+        if not backend.forms_group:
+            return {}
         host, port = ray.get(self.ranks[0].weight_group_address.remote())
-        info = {"host": host, "port": port, "world_size": 1 + len(engines), "backend": backend,
-                "timeout_s": ws.timeout_s, "bucket_bytes": ws.bucket_mb * 2**20,
-                "metas": ray.get(self.ranks[0].weight_metas.remote())}
+        info = backend.group_info(self.cfg, host, port, 1 + len(engines),
+                                  ray.get(self.ranks[0].weight_metas.remote()))
         refs = [self.ranks[0].join_weight_group.remote(info)]
         refs += [engine.join_weight_group.remote({**info, "rank": 1 + i}) for i, engine in enumerate(engines)]
         # Each member times out on its own after timeout_s; the margin covers actor start and the store.
-        ray.get(refs, timeout=ws.timeout_s + 60)
+        ray.get(refs, timeout=info["timeout_s"] + 60)
         return info
 
     def save_hf(self, folder: str) -> str:

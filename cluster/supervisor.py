@@ -23,6 +23,7 @@ from actors.reference_worker import ReferenceWorker
 from actors.reward_worker import RewardWorker
 from actors.rollout_worker import RolloutWorker
 from cluster.ray_setup import reference_options, reward_options, rollout_options
+from learner.weight_backends import weight_backend
 from learner.weight_transport import BroadcastFailed
 from protocols.config import RunConfig
 from protocols.trajectory import TrajectoryGroup
@@ -191,10 +192,10 @@ class Supervisor:
                     f"{stats['queue/in_flight']}, every worker alive); raise it if generation is that slow")
 
     def publish_weights(self, version: int) -> dict:
-        """The learner's publish of `version` (LearnerGroup.publish_weights). weight_sync.type=collective: a rollout
-        engine that died since the last health check breaks the broadcast (its connections close), before the
-        driver could notice; the dead worker is then replaced, which opens a new group with every live engine
-        and hands it the last announced version, and `version` is sent once more. Raises the broadcast's error
+        """The learner's publish of `version` (LearnerGroup.publish_weights). With a transport that forms a group
+        (weight_sync.type=collective), a rollout engine that died since the last health check breaks the broadcast
+        (its connections close) before the driver could notice; the dead worker is then replaced, which opens a
+        new group with every live engine and hands it the last announced version, and `version` is sent once more. Raises the broadcast's error
         when no worker is found dead within weight_sync.timeout_s (a live engine that stopped receiving)."""
         try:
             return self.learner.publish_weights(version)
@@ -267,7 +268,7 @@ class Supervisor:
         self.rollout_workers[index] = worker
         self.rollout_ids[index] = new_id
         self.replaced["rollout"] += 1
-        if cfg.weight_sync.type == "collective":
+        if weight_backend(cfg).forms_group:
             self._rejoin_weight_group(index)
         else:
             latest = ray.get(self.controller.latest_weights.remote(0), timeout=cfg.fault.worker_start_timeout_s)
@@ -277,8 +278,8 @@ class Supervisor:
                 self.run_refs[index] = worker.run.remote()
 
     def _rejoin_weight_group(self, index: int) -> None:
-        """weight_sync.type=collective: the broadcast group has a fixed membership, so every engine and learner
-        rank 0 open a new one. Running workers take no calls, so generation pauses meanwhile; the learner then
+        """A transport that forms a group (`collective`) has a fixed membership, so every engine and learner rank 0
+        open a new one. Running workers take no calls, so generation pauses meanwhile; the learner then
         sends the current version again, which only the new engine loads."""
         running = self.run_refs is not None
         if running:

@@ -138,8 +138,7 @@ class Trainer:
         ]
         ray.get([w.ping.remote() for w in self.reference_workers])
         ray.get([w.get_version.remote() for w in self.rollout_workers])
-        if cfg.weight_sync.type == "collective":
-            self.learner.join_weight_group(self.rollout_workers)
+        self.learner.join_weight_group(self.rollout_workers)  # nothing to join unless the transport forms a group
         # worker failure: health checks, replacements (in these same lists) and bounded waits
         self.supervisor = Supervisor(cfg, self.placement, self.controller, self.model_path, self.learner,
                                      self.rollout_workers, self.reward_workers, self.critic,

@@ -1,17 +1,14 @@
-"""A learner rank's weights going out: to the rollout engines (the object store or the collective weight group,
-as `weight_sync.type` names; learner/weight_transport.py) and to a Hugging Face folder.
+"""A learner rank's weights going out: to the rollout engines (through the sender of the transport that
+`weight_sync.type` names; learner/weight_transport.py) and to a Hugging Face folder.
 
 `LearnerRank` (learner/learner_actor.py) mixes this in, so these stay remote methods of the rank. Under ZeRO-3
 every method that reads the weights is collective: all ranks call it together, since the parameters are
 gathered a bucket at a time.
 """
 
-import time
-
 import torch
 
-from learner.weight_transport import CollectiveSender, HostBuffers, host_arrays, packed_num_bytes
-from learner.weight_wire import BucketLayout, WeightMeta, open_weight_group
+from learner.weight_backends import weight_backend
 
 
 class RankWeights:
@@ -19,10 +16,8 @@ class RankWeights:
     `self.model_path` and `self._device()`; call `init_weights_out()` in the constructor."""
 
     def init_weights_out(self) -> None:
-        self.host_buffers = HostBuffers(pin_memory=self.use_cuda)
-        """Reused host buffers of the object-store sender (page-locked on GPUs)."""
-        self.weight_sender: CollectiveSender | None = None
-        """The collective sender, once join_weight_group has run."""
+        self.weight_sender = weight_backend(self.cfg).sender(self.cfg, self.use_cuda)
+        """Rank 0's sender of the configured transport (built on every rank; only rank 0 sends)."""
 
     def _full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model in HF checkpoint names on rank 0 (None elsewhere). Collective under ZeRO-3."""
@@ -98,41 +93,23 @@ class RankWeights:
         return ray.util.get_node_ip_address(), port
 
     def join_weight_group(self, info: dict) -> str:
-        """Rank 0 joins the collective weight group as its rank 0 (the engines join at the same time)."""
+        """Rank 0 joins the weight group as its rank 0 (the engines join at the same time), for a transport that
+        forms one (`WeightBackend.group_info`)."""
         if self.rank != 0:
             return "not a member"
-        device = self._device() if info["backend"] == "nccl" else torch.device("cpu")
-        metas = [WeightMeta(n, d, tuple(s)) for n, d, s in info["metas"]]
-        group, store = open_weight_group(info["host"], info["port"], 0, info["world_size"], info["backend"],
-                                  info["timeout_s"], device)
-        self.weight_sender = CollectiveSender(group, store, BucketLayout(metas, info["bucket_bytes"]), device,
-                                              info["timeout_s"])
+        self.weight_sender.join(info, self._device())
         return "joined"
 
     def publish_weights(self, version: int = 0) -> dict | None:
-        """Send the current weights as `version`. object_store: one `ray.put` of reused host buffers, rank 0
-        returns {refs, num_tensors, num_bytes, seconds}. collective: rank 0 broadcasts to the weight group and
-        returns the same with refs=[] (the engines already hold the weights). Other ranks return None."""
-        import ray
-
-        start = time.perf_counter()
+        """Send the current weights as `version` through the configured transport. Rank 0 returns the
+        announcement {refs, num_tensors, num_bytes, seconds} (object_store: refs holds the one object ref;
+        collective: refs=[], the engines already hold the weights). Other ranks return None."""
         weights = self._iter_weights()
         if self.rank != 0:
             for _ in weights:  # join the ZeRO-3 gathers
                 pass
             return None
-        if self.cfg.weight_sync.type == "collective":
-            if self.weight_sender is None:
-                raise RuntimeError("weight_sync.type=collective but the learner has not joined the weight group; "
-                                   "the trainer calls LearnerGroup.join_weight_group after starting the workers")
-            sent = self.weight_sender.send(weights, version)
-            return {"refs": [], **sent, "seconds": time.perf_counter() - start}
-        # CPU parameters under ZeRO-2 are host memory already and stay put until the put returns: no extra copy.
-        reuse = self.use_cuda or self.cfg.learner.zero_stage == 3
-        packed = host_arrays(weights, self.host_buffers if reuse else None)
-        ref = ray.put(packed)
-        return {"refs": [ref], "num_tensors": len(packed), "num_bytes": packed_num_bytes(packed),
-                "seconds": time.perf_counter() - start}
+        return self.weight_sender.publish(weights, version)
 
     def save_hf(self, folder: str) -> str | None:
         """Write the model in Hugging Face format (rank 0). Collective under ZeRO-3."""

@@ -1,181 +1,113 @@
-"""The sender side of weight transport (learner rank 0) and the wire format both sides agree on.
+"""The weight-transport interface: how learner rank 0's weights reach the rollout engines, whatever the backend.
 
-Two backends, chosen by `weight_sync.type`: `object_store` packs the weights into reusable host buffers for one
-`ray.put` per version (the Ray call lives in learner_actor.py); `collective` broadcasts them in byte buckets over
-a torch.distributed group of its own. The receiving side (actors/weight_receiver.py) knows only the wire format
-defined here (`WeightMeta`, `BucketLayout`, the header), never the sender's classes. Torch and numpy only.
-Tied embeddings: both `embed_tokens` and `lm_head` are sent, because vLLM's CPU backend keeps a separately
-repacked `lm_head` that is stale unless it is loaded too.
+Each backend is one module, learner/transport_<weight_sync.type>.py, holding a `WeightSender` (learner rank 0,
+learner/rank_weights.py) and a `WeightReceiver` (each rollout worker, actors/rollout_worker.py); both speak the
+wire format of protocols/weight_wire.py. learner/weight_backends.py picks the backend from the config, the one
+place that reads `weight_sync.type`. One version's path:
+
+    sender.publish(weights, version) -> announcement {refs, num_tensors, num_bytes, seconds}
+    -> driver -> controller -> receiver.load(version, refs, apply) on each worker, between two decode steps
+
+`publish` and `load` are the one place a version is encoded and decoded for every backend: a check or an
+encoding shared by all backends (e.g. sending only changed elements) belongs there, not in a backend.
+Torch only; a backend imports Ray inside its methods.
 """
 
 import time
-from typing import Iterable, Iterator
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Iterator
 
-import numpy as np
 import torch
 
-from learner.weight_wire import BITCAST, BucketLayout, header_bytes, header_key
-
-
-# --- object store: packing into reusable host buffers --------------------------------------------------------
-def _to_numpy(tensor: torch.Tensor) -> tuple[str, np.ndarray]:
-    dtype = tensor.dtype
-    if dtype in BITCAST:
-        tensor = tensor.view(BITCAST[dtype])
-    return str(dtype).removeprefix("torch."), tensor.numpy()
-
-
-def pack_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, tuple[str, np.ndarray]]:
-    """name -> (torch dtype name, numpy array). Tensors are copied to CPU and made contiguous."""
-    return {name: _to_numpy(t.detach().to("cpu").contiguous()) for name, t in state_dict.items()}
-
-
-class HostBuffers:
-    """Host copies of the weights in buffers allocated once and reused every version.
-
-    From a GPU the buffers are page-locked, so `copy_(non_blocking=True)` runs as DMA and one synchronize at the
-    end waits for all of them (measured for the 1.5B shape on an H100: 2.8 s with fresh `.cpu()` copies, 0.067 s
-    into reused pinned buffers). On CPU reuse avoids first-touch page faults of fresh memory each version.
-    The returned arrays alias the buffers: hand them to `ray.put` (which copies) before the next `pack`.
-    """
-
-    def __init__(self, pin_memory: bool | None = None) -> None:
-        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self._buffers: dict[str, torch.Tensor] = {}
-        self.allocations = 0
-
-    def _buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
-        buf = self._buffers.get(name)
-        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
-            buf = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=self.pin_memory)
-            self._buffers[name] = buf
-            self.allocations += 1
-        return buf
-
-    def pack(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[str, np.ndarray]]:
-        """Copy each (name, tensor) into its buffer; returns name -> (dtype name, numpy view of the buffer).
-
-        The iterator may free a tensor once it advances (ZeRO-3 gathers a bucket at a time): GPU copies are
-        enqueued on the current stream, so they run before any later reuse of that memory on the stream, and
-        the iterator synchronizes before it releases a gather. One synchronize at the end waits for the rest.
-        """
-        packed = {}
-        any_cuda = False
-        for name, tensor in named_tensors:
-            tensor = tensor.detach()
-            buf = self._buffer(name, tensor)
-            any_cuda |= tensor.is_cuda
-            buf.copy_(tensor, non_blocking=tensor.is_cuda and self.pin_memory)
-            packed[name] = buf
-        if any_cuda:
-            torch.cuda.synchronize()
-        return {name: _to_numpy(buf) for name, buf in packed.items()}
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
-
-
-def host_arrays(named_tensors: Iterable[tuple[str, torch.Tensor]],
-                buffers: HostBuffers | None) -> dict[str, tuple[str, np.ndarray]]:
-    """What the object-store sender puts: name -> (dtype name, array). With `buffers`, copies into them (GPU
-    weights, or ZeRO-3 gathers that are freed as the iterator moves on); without, numpy views of the tensors
-    themselves, for weights already in host memory that stay alive until the `ray.put`, which copies once."""
-    if buffers is not None:
-        return buffers.pack(named_tensors)
-    return {name: _to_numpy(tensor.detach()) for name, tensor in named_tensors}
-
-
-def host_copy_seconds(named_tensors: Iterable[tuple[str, torch.Tensor]], buffers: HostBuffers) -> float:
-    """Time one `HostBuffers.pack` (the object-store sender's host copy); for timing on a GPU without Ray/vLLM."""
-    start = time.perf_counter()
-    buffers.pack(named_tensors)
-    return time.perf_counter() - start
-
-
-def packed_num_bytes(packed: dict[str, tuple[str, np.ndarray]]) -> int:
-    return sum(array.nbytes for _, array in packed.values())
+NamedTensors = Iterator[tuple[str, torch.Tensor]]
+"""(name, tensor) pairs in checkpoint (HF) format, in the fixed order of LearnerRank.weight_metas."""
 
 
 class BroadcastFailed(RuntimeError):
-    """A weight broadcast failed: a member of the weight group is gone (a dead rollout engine closes its
+    """A publish failed because a member of the weight group is gone (a dead rollout engine closes its
     connections) or passed weight_sync.timeout_s. The group is unusable afterwards; the supervisor replaces the
-    dead engine, opens a new group and sends again."""
+    dead engine, opens a new group and sends again (cluster/supervisor.py publish_weights)."""
 
 
-class CollectiveSender:
-    """Broadcasts weights from group rank 0 in byte buckets. `group` is a torch.distributed ProcessGroup that
-    holds only the learner's rank 0 and the engines (never DeepSpeed's default group); `store` is its TCPStore,
-    through which each broadcast is announced (a header: protocol, version, tensor count, layout checksum).
+class WeightSender(ABC):
+    """Learner rank 0's side of one backend. Built once per rank with the run's config and whether the weights
+    live on a GPU."""
 
-    Buckets live on the parameters' device, so on GPUs a parameter is copied device-to-device into a bucket and
-    NCCL sends it: no host copy. Two buckets alternate so filling one overlaps the broadcast of the other.
-    """
+    type: ClassVar[str]
 
-    def __init__(self, group, store, layout: BucketLayout, device: torch.device, timeout_s: float) -> None:
-        self.group = group
-        self.store = store
-        self.seq = 0
-        self.layout = layout
-        self.device = device
-        self.timeout_s = timeout_s
-        self._flats = [torch.empty(max(layout.bucket_sizes), dtype=torch.uint8, device=device)
-                       for _ in range(min(2, len(layout.buckets)))]
+    def __init__(self, cfg, on_gpu: bool) -> None:
+        self.cfg = cfg
+        self.on_gpu = on_gpu
 
-    def _broadcast(self, tensor: torch.Tensor):
-        return self.group.broadcast(tensor, 0)
+    def join(self, info: dict, device: torch.device) -> None:
+        """Join the weight group described by `info` (WeightBackend.group_info) as its rank 0, on this rank's
+        `device`. Only backends that form a group implement it."""
+        raise RuntimeError(f"weight_sync.type={self.type} forms no weight group; nothing joins it")
 
-    def send(self, named_tensors: Iterator[tuple[str, torch.Tensor]], version: int) -> dict:
-        """Broadcast one version. `named_tensors` yields tensors in the layout's order (checked)."""
+    def publish(self, weights: NamedTensors, version: int) -> dict:
+        """Send `weights` as `version`; returns the announcement {refs, num_tensors, num_bytes, seconds} the
+        driver hands to the controller (refs: what a receiver needs to stage it; [] when it travels by other
+        means). The iterator is run to its end even on failure: under ZeRO-3 the other ranks wait in its gathers."""
         start = time.perf_counter()
-        self.seq += 1
-        self.store.set(header_key(self.seq), header_bytes(self.layout.header(version)))
-        it = iter(named_tensors)
+        announcement = self.send(weights, version)
+        return {**announcement, "seconds": time.perf_counter() - start}
+
+    @abstractmethod
+    def send(self, weights: NamedTensors, version: int) -> dict:
+        """The backend's encoding and transfer of one version: returns {refs, num_tensors, num_bytes}."""
+
+
+class WeightReceiver(ABC):
+    """A rollout worker's side of one backend. Built once per worker with the run's config; a backend that forms
+    a group is joined (and re-joined after a replacement) through `join`."""
+
+    type: ClassVar[str]
+
+    def __init__(self, cfg) -> None:
+        self.cfg = cfg
+
+    def join(self, info: dict) -> None:
+        """Join the weight group described by `info` as rank `info["rank"]`, leaving any earlier group. Only
+        backends that form a group implement it."""
+        raise RuntimeError(f"weight_sync.type={self.type} forms no weight group; nothing joins it")
+
+    def load(self, version: int, refs: list, apply: Callable[[list[tuple[str, torch.Tensor]]], None]) -> int:
+        """Stage the announced `version`, hand its checkpoint-format pairs to `apply` (the engine's in-place load),
+        release them. Returns the version applied: `version`, or a newer one that has already arrived."""
+        loaded, weights = self.stage(version, refs)
         try:
-            self._send_buckets(it)
-        except BroadcastFailed:
-            # The other learner ranks sit in this iterator's ZeRO-3 gathers: finish them, so a retry on a new group
-            # (cluster/supervisor.py) starts all ranks at the first gather together.
-            for _ in it:
-                pass
-            raise
-        for _ in it:  # let a layer-by-layer gather finish its collectives
-            pass
-        seconds = time.perf_counter() - start
-        return {"num_tensors": len(self.layout.metas), "num_bytes": self.layout.num_bytes, "seconds": seconds}
+            apply(weights)
+        finally:
+            self.release()
+        return loaded
 
-    def _send_buckets(self, it: Iterator[tuple[str, torch.Tensor]]) -> None:
-        pending = [None] * len(self._flats)
-        for b, entries in enumerate(self.layout.buckets):
-            slot = b % len(self._flats)
-            if pending[slot] is not None:
-                self._wait(pending[slot], f"bucket {b - len(self._flats)}")
-            flat = self._flats[slot]
-            for i, offset in entries:
-                meta = self.layout.metas[i]
-                name, tensor = next(it)
-                if name != meta.name or tuple(tensor.shape) != meta.shape:
-                    raise ValueError(f"weight {i} is {name} {tuple(tensor.shape)} but the layout the engines "
-                                     f"joined with says {meta.name} {meta.shape}; rejoin the weight group after a "
-                                     "model change")
-                flat[offset: offset + meta.num_bytes].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
-            size = self.layout.bucket_sizes[b]
-            try:
-                pending[slot] = self._broadcast(flat[:size])
-            except RuntimeError as err:  # gloo may refuse at once a pair whose peer already closed it
-                raise self._failed(f"bucket {b}", err) from err
-        for work in pending:
-            if work is not None:
-                self._wait(work, "last buckets")
+    @abstractmethod
+    def stage(self, version: int, refs: list) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+        """(version, checkpoint-format pairs) of `version` or newer, from the announcement's `refs`. The pairs
+        stay valid until `release()`."""
 
-    def _wait(self, work, what: str) -> None:
-        try:
-            work.wait()
-        except RuntimeError as err:
-            raise self._failed(what, err) from err
+    def release(self) -> None:
+        """The engine has copied the staged pairs; the backend may reuse their memory."""
 
-    def _failed(self, what: str, err: BaseException) -> "BroadcastFailed":
-        return BroadcastFailed(
-            f"weight_sync.type=collective: broadcast of the {what} failed or passed weight_sync.timeout_s="
-            f"{self.timeout_s}: {err}. A rollout engine left the weight group or stopped receiving; "
-            "weight_sync.type=object_store needs no group")
+    def close(self) -> None:
+        """Stop receiving (the worker is leaving or re-joining a group)."""
+
+
+@dataclass(frozen=True)
+class WeightBackend:
+    """One `weight_sync.type`: its sender and receiver, and how its group is described when it forms one."""
+
+    type: str
+    sender: type[WeightSender]
+    receiver: type[WeightReceiver]
+    group_info: Callable[..., dict] | None = None
+    """For a backend whose members (learner rank 0 and one receiver per engine) form one group of fixed
+    membership: group_info(cfg, host, port, world_size, metas) -> the dict every member joins with. The group is
+    opened once every engine has started (LearnerGroup.join_weight_group) and opened anew by every member after
+    an engine is replaced, which then gets the newest version sent again (cluster/supervisor.py). None: no group,
+    a new engine just loads the newest announcement."""
+
+    @property
+    def forms_group(self) -> bool:
+        return self.group_info is not None

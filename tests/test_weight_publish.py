@@ -5,7 +5,7 @@ import pytest
 import ray
 import torch
 
-from learner.weight_wire import unpack_state_dict
+from learner.transport_object_store import unpack_state_dict
 from protocols.config import load_config
 
 pytestmark = pytest.mark.slow

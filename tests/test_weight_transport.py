@@ -1,5 +1,6 @@
-"""Weight transport without Ray or vLLM: the bucket layout, reusable host buffers, and the collective backend
-over a real gloo group (sender and receiver threads in one process), including its failure messages."""
+"""Weight transport without Ray or vLLM: the backend registry, the bucket layout, reusable host buffers, and the
+collective backend over a real gloo group (sender and receiver threads in one process), including its failure
+messages."""
 
 import socket
 import threading
@@ -8,9 +9,12 @@ import time
 import pytest
 import torch
 
-from actors.weight_receiver import CollectiveReceiver
-from learner.weight_transport import CollectiveSender, HostBuffers, host_arrays, host_copy_seconds
-from learner.weight_wire import BucketLayout, WeightMeta, metas_of, open_weight_group, unpack_state_dict
+from learner.transport_collective import CollectiveReceiver, CollectiveSender, group_info, open_weight_group
+from learner.transport_object_store import HostBuffers, host_arrays, host_copy_seconds, unpack_state_dict
+from protocols.config import load_config
+from protocols.weight_wire import BucketLayout, WeightMeta, metas_of
+
+CFG = load_config(None, ["weight_sync.type=collective"])
 
 
 def _free_port() -> int:
@@ -67,21 +71,33 @@ def test_host_arrays_without_buffers_are_views_of_the_weights():
     assert torch.equal(dict(unpack_state_dict(packed))["model.layers.0.mlp.weight"], weights[1][1])
 
 
+def _info(port: int, world: int, bucket_bytes: int, metas, timeout_s: float, rank: int = 0) -> dict:
+    """What LearnerGroup.join_weight_group hands each member (group_info, plus the member's rank)."""
+    rows = [(m.name, m.dtype, list(m.shape)) for m in metas]
+    return {**group_info(CFG, "127.0.0.1", port, world, rows), "backend": "gloo", "timeout_s": timeout_s,
+            "bucket_bytes": bucket_bytes, "rank": rank}
+
+
+def _receiver(info: dict) -> CollectiveReceiver:
+    receiver = CollectiveReceiver(CFG)
+    receiver.join(info)
+    return receiver
+
+
 def _connect(port: int, world: int, layout_bytes: int, metas, timeout_s: float = 30.0):
     """Open the group with a sender (rank 0) and world-1 receivers, each receiver in its own thread."""
     receivers: list = [None] * (world - 1)
 
     def join(rank):
-        receivers[rank - 1] = CollectiveReceiver("127.0.0.1", port, rank, world, "gloo", timeout_s, metas,
-                                                 layout_bytes, torch.device("cpu"))
+        receivers[rank - 1] = _receiver(_info(port, world, layout_bytes, metas, timeout_s, rank))
 
     threads = [threading.Thread(target=join, args=(r,)) for r in range(1, world)]
     for t in threads:
         t.start()
-    group, store = open_weight_group("127.0.0.1", port, 0, world, "gloo", timeout_s)
+    sender = CollectiveSender(CFG, on_gpu=False)
+    sender.join(_info(port, world, layout_bytes, metas, timeout_s), torch.device("cpu"))
     for t in threads:
         t.join()
-    sender = CollectiveSender(group, store, BucketLayout(metas, layout_bytes), torch.device("cpu"), timeout_s)
     return sender, receivers
 
 
@@ -93,10 +109,10 @@ def test_collective_broadcast_delivers_each_version_exactly(num_receivers):
     try:
         for version in (1, 2):
             weights = _weights(version)
-            stats = sender.send(iter(weights), version)
-            assert stats["num_bytes"] == 512 + 128 + 32 + 512
+            stats = sender.publish(iter(weights), version)
+            assert stats["refs"] == [] and stats["num_bytes"] == 512 + 128 + 32 + 512 and stats["seconds"] >= 0
             for receiver in receivers:
-                got_version, got = receiver.fetch(version, [])
+                got_version, got = receiver.stage(version, [])
                 try:
                     assert got_version == version
                     for (name, expected), (got_name, tensor) in zip(weights, got):
@@ -112,13 +128,14 @@ def test_collective_receiver_keeps_the_newest_unloaded_version():
     metas = metas_of(_weights(0))
     sender, (receiver,) = _connect(_free_port(), 2, 1 << 20, metas)
     try:
-        sender.send(iter(_weights(1)), 1)
-        sender.send(iter(_weights(2)), 2)  # the loop never loaded version 1
-        version, got = receiver.fetch(1, [])
-        try:
-            assert version == 2 and torch.equal(got[0][1], _weights(2)[0][1])
-        finally:
-            receiver.release()
+        sender.publish(iter(_weights(1)), 1)
+        sender.publish(iter(_weights(2)), 2)  # the loop never loaded version 1
+        applied = []
+        version = receiver.load(1, [], lambda pairs: applied.append(pairs[0][1].clone()))
+        assert version == 2 and torch.equal(applied[0], _weights(2)[0][1])
+        # load released the staging lock: the receiver thread can stage the next version
+        sender.publish(iter(_weights(3)), 3)
+        assert receiver.load(3, [], lambda pairs: None) == 3
     finally:
         receiver.close()
 
@@ -126,8 +143,7 @@ def test_collective_receiver_keeps_the_newest_unloaded_version():
 def test_join_without_learner_fails_in_time_naming_the_settings():
     start = time.perf_counter()
     with pytest.raises(RuntimeError) as err:
-        CollectiveReceiver("127.0.0.1", _free_port(), 1, 2, "gloo", 2.0, metas_of(_weights(0)), 1 << 20,
-                           torch.device("cpu"))
+        _receiver(_info(_free_port(), 2, 1 << 20, metas_of(_weights(0)), 2.0, rank=1))
     assert time.perf_counter() - start < 30
     text = str(err.value)
     assert "weight_sync.type=collective" in text and "weight_sync.timeout_s=2.0" in text
@@ -148,18 +164,17 @@ def test_layout_mismatch_is_reported_by_the_receiver():
     other = metas_of(_weights(0)[:3])  # the learner's model lost a tensor after the join
     port = _free_port()
     holder = {}
-    thread = threading.Thread(target=lambda: holder.setdefault(
-        "r", CollectiveReceiver("127.0.0.1", port, 1, 2, "gloo", 5.0, metas, 1 << 20, torch.device("cpu"))))
+    thread = threading.Thread(target=lambda: holder.setdefault("r", _receiver(_info(port, 2, 1 << 20, metas, 5.0, 1))))
     thread.start()
-    group, store = open_weight_group("127.0.0.1", port, 0, 2, "gloo", 5.0)
+    sender = CollectiveSender(CFG, on_gpu=False)
+    sender.join(_info(port, 2, 1 << 20, other, 5.0), torch.device("cpu"))
     thread.join()
     receiver = holder["r"]
-    sender = CollectiveSender(group, store, BucketLayout(other, 1 << 20), torch.device("cpu"), 5.0)
     outcome = {}
 
     def send():
         try:
-            sender.send(iter(_weights(0)[:3]), 1)  # announces its own layout, which the receiver refuses
+            sender.publish(iter(_weights(0)[:3]), 1)  # announces its own layout, which the receiver refuses
         except RuntimeError as err:  # the receiver never joins the buckets: the broadcast times out
             outcome["sender"] = str(err)
 
@@ -167,7 +182,7 @@ def test_layout_mismatch_is_reported_by_the_receiver():
     thread.start()
     try:
         with pytest.raises(RuntimeError, match="layout") as err:
-            receiver.fetch(1, [])
+            receiver.stage(1, [])
         assert "object_store" in str(err.value)
     finally:
         receiver.close()
@@ -189,18 +204,17 @@ def test_broadcast_to_a_dead_engine_raises_broadcast_failed_and_drains_the_weigh
     from learner.weight_transport import BroadcastFailed
 
     port = _free_port()
-    code = ("import time; from learner.weight_wire import open_weight_group; "
+    code = ("import time; from learner.transport_collective import open_weight_group; "
             f"open_weight_group('127.0.0.1', {port}, 1, 2, 'gloo', 30.0); time.sleep(600)")
     repo = str(Path(__file__).resolve().parents[1])
     child = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": repo})
+    sender = CollectiveSender(CFG, on_gpu=False)
     try:
-        group, store = open_weight_group("127.0.0.1", port, 0, 2, "gloo", 30.0)
+        sender.join(_info(port, 2, 300, metas_of(_weights(0)), 30.0), torch.device("cpu"))
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait()
     time.sleep(0.5)  # gloo's event loop reads the closed connection
-    metas = metas_of(_weights(0))
-    sender = CollectiveSender(group, store, BucketLayout(metas, 300), torch.device("cpu"), 30.0)
     yielded = []
 
     def weights():
@@ -210,6 +224,79 @@ def test_broadcast_to_a_dead_engine_raises_broadcast_failed_and_drains_the_weigh
 
     start = time.perf_counter()
     with pytest.raises(BroadcastFailed, match="weight_sync.type=collective: broadcast of the .* failed"):
-        sender.send(weights(), 1)
+        sender.publish(weights(), 1)
     assert time.perf_counter() - start < 10  # the closed connection is seen, not waited out to the timeout
     assert yielded == [name for name, _ in _weights(1)]
+
+
+# --- the registry: one place chooses the backend ----------------------------------------------------------------
+def _weight_sync_types() -> list[str]:
+    from typing import get_args
+
+    from protocols.config import WeightSyncConfig
+
+    union = get_args(WeightSyncConfig)[0]  # Annotated[Union[...], Field(discriminator="type")]
+    return [get_args(model.model_fields["type"].annotation)[0] for model in get_args(union)]
+
+
+def test_every_weight_sync_type_has_a_sender_and_a_receiver():
+    from learner.weight_backends import BACKENDS, weight_backend
+    from learner.weight_transport import WeightReceiver, WeightSender
+
+    types = _weight_sync_types()
+    assert sorted(types) == ["collective", "object_store"]
+    assert sorted(BACKENDS) == sorted(types)  # no backend without a config literal either
+    for name in types:
+        cfg = load_config(None, [f"weight_sync.type={name}"])
+        backend = weight_backend(cfg)
+        sender, receiver = backend.sender(cfg, on_gpu=False), backend.receiver(cfg)
+        assert backend.type == name and isinstance(sender, WeightSender) and isinstance(receiver, WeightReceiver)
+        assert sender.type == receiver.type == name
+        # only a backend that forms a group can be joined; the others say so
+        if not backend.forms_group:
+            with pytest.raises(RuntimeError, match=f"weight_sync.type={name} forms no weight group"):
+                receiver.join({})
+
+
+def test_collective_group_info_resolves_auto_backend_and_bucket_bytes():
+    # cluster.use_gpus=false: auto -> gloo; bucket_mb 2 -> 2 MiB
+    cfg = load_config(None, ["weight_sync.type=collective", "weight_sync.bucket_mb=2"])
+    info = group_info(cfg, "10.0.0.1", 1234, 3, [("w", "float32", [2])])
+    assert info == {"host": "10.0.0.1", "port": 1234, "world_size": 3, "backend": "gloo", "timeout_s": 120.0,
+                    "bucket_bytes": 2 * 2**20, "metas": [("w", "float32", [2])]}
+
+
+def test_a_receiver_that_never_joined_names_the_join():
+    with pytest.raises(RuntimeError, match="not joined the weight group"):
+        CollectiveReceiver(CFG).stage(1, [])
+
+
+def test_object_store_receiver_applies_what_the_sender_packed():
+    # The object store without Ray: the packed arrays stand in for what ray.get returns.
+    from learner import transport_object_store as object_store
+
+    cfg = load_config(None, [])
+    weights = _weights(0)
+    packed = object_store.host_arrays(iter(weights), object_store.HostBuffers(pin_memory=False))
+    receiver = object_store.ObjectStoreReceiver(cfg)
+    receiver.stage = lambda version, refs: (version, object_store.unpack_state_dict(refs[0]))
+    applied = {}
+    assert receiver.load(4, [packed], applied.update) == 4
+    assert applied.keys() == dict(weights).keys()
+    for name, tensor in weights:
+        assert applied[name].dtype == tensor.dtype and torch.equal(applied[name], tensor)
+    with pytest.raises(RuntimeError, match="without an object ref"):
+        object_store.ObjectStoreReceiver(cfg).stage(4, [])
+
+
+def test_only_the_registry_reads_weight_sync_type():
+    """Adding a backend must not mean new branches: no module but learner/weight_backends.py compares the type."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    pattern = re.compile(r"weight_sync\.type\s*[!=]=|\.type\s*[!=]=\s*[\"'](object_store|collective)[\"']")
+    offenders = [f"{path.relative_to(root)}:{i}" for folder in ("actors", "cluster", "learner", "protocols")
+                 for path in sorted((root / folder).glob("*.py"))
+                 for i, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert offenders == []

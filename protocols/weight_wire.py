@@ -1,38 +1,19 @@
-"""The wire format of weight transport, the one thing the sender (learner/weight_transport.py) and the receivers
-(actors/weight_receiver.py) share: tensor metadata, the byte-bucket layout, the version header, and how a
-weight group (a torch.distributed group apart from DeepSpeed's) is opened with a timeout. Torch and numpy only.
+"""The wire format of weight transport: what a sender (learner rank 0) and a receiver (a rollout worker) of any
+backend (learner/transport_*.py) agree on: tensor metadata, the byte-bucket layout with its checksum, and the
+version header. Both sides import it from here; it imports torch only.
 """
 
-import warnings
+import math
 import zlib
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Iterable
 
-import numpy as np
 import torch
 
-BITCAST = {torch.bfloat16: torch.int16}  # numpy has no bf16: it travels as int16 bits through the object store
 _ALIGN = 64  # bytes; every tensor starts aligned in its bucket so dtype views are legal
 WIRE_PROTOCOL = 1  # bump when the header or layout changes; a mismatch fails with a clear error
 HEADER_LEN = 4  # [protocol, version, num_tensors, layout checksum]
 ALTERNATIVE = "weight_sync.type=object_store needs no process group"
-
-
-def unpack_state_dict(packed: dict[str, tuple[str, np.ndarray]]) -> list[tuple[str, torch.Tensor]]:
-    """Inverse of packing, as (name, tensor) pairs in checkpoint format. Shares memory with the arrays."""
-    out = []
-    for name, (dtype_name, array) in packed.items():
-        with warnings.catch_warnings():
-            # Arrays from the Ray object store are read-only views; the engine copies them into its own
-            # parameters, so no copy is made here.
-            warnings.simplefilter("ignore", UserWarning)
-            tensor = torch.from_numpy(array)
-        dtype = getattr(torch, dtype_name)
-        if dtype in BITCAST:
-            tensor = tensor.view(dtype)
-        out.append((name, tensor))
-    return out
 
 
 @dataclass(frozen=True)
@@ -46,11 +27,16 @@ class WeightMeta:
     @property
     def num_bytes(self) -> int:
         itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        return int(np.prod(self.shape, dtype=np.int64)) * itemsize
+        return math.prod(self.shape) * itemsize
 
 
 def metas_of(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[WeightMeta]:
     return [WeightMeta(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in named_tensors]
+
+
+def metas_from_rows(rows: Iterable[tuple[str, str, list[int]]]) -> list[WeightMeta]:
+    """Metas from the (name, dtype, shape) rows that cross actor boundaries (LearnerRank.weight_metas)."""
+    return [WeightMeta(name, dtype, tuple(shape)) for name, dtype, shape in rows]
 
 
 class BucketLayout:
@@ -93,56 +79,12 @@ class BucketLayout:
         return torch.tensor([WIRE_PROTOCOL, version, len(self.metas), self.checksum], dtype=torch.int64)
 
 
-
-
-def header_key(seq: int) -> str:
-    """The store key announcing the `seq`-th broadcast (1, 2, ...). The announcement travels through the store,
-    not the group: a receiver may wait for the next version for as long as the learner trains, and a collective
-    left pending that long would hit the group's timeout (and on NCCL hold a kernel on the GPU)."""
-    return f"header/{seq}"
-
-
 def header_bytes(header: torch.Tensor) -> bytes:
     return header.cpu().numpy().tobytes()
 
 
 def header_from_bytes(raw: bytes) -> torch.Tensor:
-    return torch.from_numpy(np.frombuffer(raw, dtype=np.int64).copy())
-
-
-def open_weight_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float,
-                      device: torch.device | None = None):
-    """(group, store): a standalone ProcessGroup on a TCPStore at host:port (rank 0 serves the store). It is not
-    registered as torch.distributed's default group, so it never mixes with DeepSpeed's collectives.
-
-    Raises RuntimeError naming `weight_sync` settings when the store cannot be reached or bound (port in use)
-    or the peers do not all arrive within `timeout_s`.
-    """
-    import torch.distributed as dist
-
-    timeout = timedelta(seconds=timeout_s)
-    try:
-        store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout,
-                              wait_for_workers=True)
-        store = dist.PrefixStore("relayrl_weights", store)
-        if backend == "gloo":
-            group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
-        elif backend == "nccl":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            group = dist.ProcessGroupNCCL(store, rank, world_size, opts)
-            if device is not None:
-                # NCCL builds its communicator lazily; one tiny collective now surfaces join errors here.
-                group.broadcast(torch.zeros(1, device=device), 0).wait()
-        else:
-            raise ValueError(f"weight_sync.backend={backend!r}; allowed: gloo, nccl")
-    except (RuntimeError, ValueError, OSError) as err:
-        raise RuntimeError(
-            f"weight_sync.type=collective: rank {rank} of {world_size} could not join the weight group at "
-            f"{host}:{port} (backend {backend}) within weight_sync.timeout_s={timeout_s}: {err}. Check that "
-            f"every rollout engine started and the port is free and reachable, raise weight_sync.timeout_s, "
-            f"or use {ALTERNATIVE}") from err
-    return group, store
+    return torch.frombuffer(bytearray(raw), dtype=torch.int64)
 
 
 def check_header(header: torch.Tensor, layout: BucketLayout) -> int:
