@@ -10,6 +10,7 @@ import torch
 from learner.critic_rank import warmup_lr
 from learner.value_loss import clipped_value_loss
 from protocols.config import ConfigError, load_config
+from protocols.training_batch import TrainingBatch
 
 
 # ------------------------------------------------------------------------------------------------ pure maths
@@ -100,14 +101,20 @@ def test_critic_folder_with_another_vocabulary_is_refused_naming_both_paths(tiny
 # ------------------------------------------------------------------------------ the real DeepSpeed critic
 
 
-def fixed_batch() -> dict:
-    """8 addition prompts; responses of 1-4 tokens; samples with an even index are 'correct' (return 1)."""
-    samples = {"prompt_ids": [], "response_ids": [], "sample_mask": []}
-    for i in range(8):
-        samples["prompt_ids"].append([1, 3 + i % 10, 13, 3 + (i * 7) % 10, 14])
-        samples["response_ids"].append([3 + (i + k) % 10 for k in range(1 + i % 4)] + [2])
-        samples["sample_mask"].append(True)
-    return samples
+def fixed_batch() -> TrainingBatch:
+    """8 addition prompts; responses of 2-5 tokens; samples with an even index are 'correct': Monte-Carlo returns
+    of reward 1 or 0 at every token (gamma = lambda = 1, no KL) are the critic's targets."""
+    prompts = [[1, 3 + i % 10, 13, 3 + (i * 7) % 10, 14] for i in range(8)]
+    responses = [[3 + (i + k) % 10 for k in range(1 + i % 4)] + [2] for i in range(8)]
+    returns = [[float(i % 2 == 0)] * len(r) for i, r in enumerate(responses)]
+    return TrainingBatch.from_samples(prompts, responses, returns=returns)
+
+
+def update(group) -> None:
+    """One critic update with fresh old values, as the stream stamps them."""
+    batch = fixed_batch()
+    old, _ = group.values(batch)
+    group.train_step(batch.with_fields(values=old))
 
 
 def critic_config(*overrides: str):
@@ -120,22 +127,20 @@ def test_real_critic_value_loss_falls_on_a_fixed_batch(ray_cluster, tiny_models)
     from cluster.critic_group import CriticGroup
 
     cfg = critic_config("critic.lr=3e-3", "critic.warmup_steps=2")
-    samples = fixed_batch()
-    # Monte-Carlo returns of reward 1 (even samples) or 0 at every token (gamma = lambda = 1, no KL)
-    returns = [[float(i % 2 == 0)] * len(r) for i, r in enumerate(samples["response_ids"])]
+    batch = fixed_batch()
     group = CriticGroup(cfg, tiny_models["untied"])
     try:
         losses, versions = [], []
         for _ in range(12):
-            old, version = group.values(samples)  # fresh old values, as the stream stamps them
+            old, version = group.values(batch)  # fresh old values, as the stream stamps them
             versions.append(version)
-            metrics = group.train_step(samples, returns, old)
+            metrics = group.train_step(batch.with_fields(values=old))
             losses.append(metrics["critic/value_loss"])
-        final, _ = group.values(samples)
+        final = batch.per_sample_rows(group.values(batch)[0])
     finally:
         group.shutdown()
     # the zero-initialized head starts every value at 0: loss = mean over tokens of 1/2 R^2
-    tokens = [len(r) for r in samples["response_ids"]]
+    tokens = batch.response_lengths.tolist()
     first = 0.5 * sum(t for i, t in enumerate(tokens) if i % 2 == 0) / sum(tokens)
     assert losses[0] == pytest.approx(first, rel=1e-5)
     assert versions == list(range(12))  # one critic version per update, stamped on the values
@@ -150,7 +155,7 @@ def test_real_critic_value_loss_falls_on_a_fixed_batch(ray_cluster, tiny_models)
 
 @pytest.mark.slow
 def test_gae_over_real_critic_values_matches_a_hand_computation(ray_cluster, tiny_models):
-    from cluster.critic_group import CriticGroup, critic_targets
+    from cluster.critic_group import CriticGroup, critic_returns
     from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup
 
     # a random head so the initial values are not all 0; no whitening so the advantages can be checked by hand
@@ -174,13 +179,13 @@ def test_gae_over_real_critic_values_matches_a_hand_computation(ray_cluster, tin
     # causal: V before token k depends on the prefix only, and both responses start with token 8
     assert t0.values[0] == pytest.approx(t1.values[0], abs=1e-5)
     assert len({round(v, 4) for v in t1.values}) == 3  # a random head gives distinct values
+    batch = TrainingBatch.from_trajectories(stamped.trajectories)
+    assert sum(batch.per_sample_rows(batch.values), []) == pytest.approx(t0.values + t1.values)
     rewards = torch.tensor([1.0, 0.0])
-    lengths = torch.tensor([2, 3])
-    mask = torch.arange(3)[None] < lengths[:, None]
-    values, returns = critic_targets(stamped.trajectories, rewards, mask, cfg.algorithm, kl=None)
+    returns = critic_returns(batch, rewards, cfg.algorithm, kl=None)
     from learner.objective import compute_advantages
 
-    adv = compute_advantages(rewards, mask, 2, cfg.algorithm, values=values)
+    adv = compute_advantages(rewards, batch.loss_mask, 2, cfg.algorithm, values=batch.values)
     lam = 0.95  # gamma = 1: delta_t = r_t + V_{t+1} - V_t, V = 0 after the last token, r = R on the last token
     a, b = t0.values
     # sample 0 (R = 1): A_1 = 1 - b; A_0 = (b - a) + lam * A_1
@@ -224,31 +229,25 @@ def test_a_restored_critic_continues_as_if_never_stopped(ray_cluster, tiny_model
     from cluster.critic_group import CriticGroup
 
     cfg = critic_config("critic.lr=3e-3", "critic.warmup_steps=4")
-    samples = fixed_batch()
-    returns = [[float(i % 2 == 0)] * len(r) for i, r in enumerate(samples["response_ids"])]
-
-    def update(group: CriticGroup) -> None:
-        old, _ = group.values(samples)
-        group.train_step(samples, returns, old)
-
+    batch = fixed_batch()
     group = CriticGroup(cfg, tiny_models["untied"])
     try:
         update(group)
         update(group)
         assert group.save_state(str(tmp_path)) == 2
         update(group)  # the third update, mid warm-up (lr 3e-3 * 3 / 4)
-        want, want_version = group.values(samples)
+        want, want_version = group.values(batch)
     finally:
         group.shutdown()
     restored = CriticGroup(cfg, tiny_models["untied"])
     try:
         assert restored.load_state(str(tmp_path)) == 2
         update(restored)
-        got, got_version = restored.values(samples)
+        got, got_version = restored.values(batch)
     finally:
         restored.shutdown()
     assert got_version == want_version == 3
-    for got_row, want_row in zip(got, want):
+    for got_row, want_row in zip(batch.per_sample_rows(got), batch.per_sample_rows(want)):
         assert got_row == pytest.approx(want_row, abs=1e-6)
 
 
@@ -265,15 +264,10 @@ def test_a_restarted_critic_group_takes_the_newest_weights_there_are(ray_cluster
     from cluster.critic_group import CriticGroup
 
     cfg = critic_config("critic.lr=3e-3", "critic.warmup_steps=0", f"output_dir={tmp_path / 'run'}")
-    samples = fixed_batch()
-    returns = [[float(i % 2 == 0)] * len(r) for i, r in enumerate(samples["response_ids"])]
+    batch = fixed_batch()
 
-    def update(group: CriticGroup) -> None:
-        old, _ = group.values(samples)
-        group.train_step(samples, returns, old)
-
-    def flat(rows: list[list[float]]) -> list[float]:
-        return [v for row in rows for v in row]
+    def flat(values: torch.Tensor) -> list[float]:
+        return [v for row in batch.per_sample_rows(values) for v in row]
 
     def kill_and_find(group: CriticGroup, ranks: list[int]) -> int:
         for r in ranks:
@@ -288,17 +282,17 @@ def test_a_restarted_critic_group_takes_the_newest_weights_there_are(ray_cluster
     try:
         update(group)
         update(group)
-        trained, _ = group.values(samples)
-        assert any(v != 0 for row in trained for v in row)  # the head moved off its zero init
+        trained, _ = group.values(batch)
+        assert any(v != 0 for v in flat(trained))  # the head moved off its zero init
         # 1. rank 1 dies: rank 0's weights carry over exactly, the version stays 2, and the group trains on
         t0 = time.monotonic()
         assert "surviving rank 0 (version 2)" in group.restart(kill_and_find(group, [1]))
         print(f"critic restart from a survivor: {time.monotonic() - t0:.1f} s")
-        got, version = group.values(samples)
+        got, version = group.values(batch)
         assert version == group.version == 2
         assert flat(got) == pytest.approx(flat(trained), abs=1e-6)
         update(group)
-        assert group.values(samples)[1] == 3
+        assert group.values(batch)[1] == 3
         # 2. a checkpoint at version 3, one more update, then every rank dies: the checkpoint's weights, version 4
         def write(folder):
             for piece in ("state.json", "config.yaml"):
@@ -310,31 +304,31 @@ def test_a_restarted_critic_group_takes_the_newest_weights_there_are(ray_cluster
             group.save_state(str(folder / "critic"))
 
         checkpoint.save(cfg.output_dir, 3, 1, write)
-        at_checkpoint, _ = group.values(samples)
+        at_checkpoint, _ = group.values(batch)
         update(group)
         assert "newest checkpoint's critic" in group.restart(kill_and_find(group, [0, 1]))
-        got, version = group.values(samples)
+        got, version = group.values(batch)
         assert version == 4 and flat(got) == pytest.approx(flat(at_checkpoint), abs=1e-6)
         # 3. no checkpoint: the initial weights (a zero head: every value 0); the version still 4
         group.cfg = cfg.model_copy(update={"output_dir": str(tmp_path / "no_checkpoints")})
         assert "initial weights" in group.restart(kill_and_find(group, [0, 1]))
-        got, version = group.values(samples)
-        assert version == 4 and all(v == 0 for row in got for v in row)
+        got, version = group.values(batch)
+        assert version == 4 and all(v == 0 for v in flat(got))
         update(group)
-        assert group.values(samples)[1] == 5
+        assert group.values(batch)[1] == 5
         # 4. a rank dies during an update: `finish` returns at once (no hang in the broken collective), the lost
         # update still counts in the version, and the restarted group starts from the survivor
-        old, _ = group.values(samples)
-        started = group.start_train(samples, returns, old)
+        old, _ = group.values(batch)
+        started = group.start_train(batch.with_fields(values=old))
         ray.kill(group.ranks[1])
         t0 = time.monotonic()
         assert group.finish(started) == {"critic/update_lost": 1.0} and group.version == 6
         print(f"critic update with a dead rank returned in {time.monotonic() - t0:.1f} s")
         assert group.dead_rank()[0] == 1
         assert "surviving rank 0" in group.restart(1)
-        assert group.values(samples)[1] == 6
+        assert group.values(batch)[1] == 6
         update(group)
-        assert group.values(samples)[1] == 7
+        assert group.values(batch)[1] == 7
         assert len(group.actor_ids()) == 10  # 5 groups of 2 ranks: old ids stay known to the controller
     finally:
         group.shutdown()
