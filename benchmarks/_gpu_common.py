@@ -57,19 +57,16 @@ def build_model_folder(shape: str, root: Path, vocab: int, device: str,
 # ------------------------------------------------------------------------------------------- synthetic data
 
 
-def make_shard(n: int, prompt_len: int, resp_len: int, vocab: int, seed: int) -> dict:
+def make_shard(n: int, prompt_len: int, resp_len: int, vocab: int, seed: int):
+    """A TrainingBatch of n random samples: advantages +1 / -1 alternating, behavior log-probs around -2."""
+    from protocols.training_batch import TrainingBatch
+
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(0, vocab, (n, prompt_len), generator=g).tolist()
     responses = torch.randint(0, vocab, (n, resp_len), generator=g).tolist()
     signs = [1.0 if i % 2 == 0 else -1.0 for i in range(n)]
     behavior = (-2.0 + 0.5 * torch.randn(n, resp_len, generator=g)).clamp(max=-1e-3).tolist()
-    return {
-        "prompt_ids": prompts,
-        "response_ids": responses,
-        "behavior_logprobs": behavior,
-        "advantages": [[s] * resp_len for s in signs],
-        "sample_mask": [True] * n,
-    }
+    return TrainingBatch.from_samples(prompts, responses, behavior, advantages=[[s] * resp_len for s in signs])
 
 
 # --------------------------------------------------------------------------------------------- timing helpers

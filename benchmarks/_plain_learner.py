@@ -45,13 +45,14 @@ def _chunked_scores(model, batch, temperature: float, chunk_tokens: int):
     return torch.cat(lps).view(b, t), torch.cat(ents).view(b, t)
 
 
-def run_plain(cfg, folder: Path, shard: dict, normalizer, warmup: int, steps: int, res: Result,
+def run_plain(cfg, folder: Path, shard, normalizer, warmup: int, steps: int, res: Result,
               chunked: bool, chunk_tokens: int) -> None:
     from transformers import AutoModelForCausalLM
 
-    from learner.batch import collate, pad_per_token, response_logits, token_logprobs
+    from learner.batch import collate, response_logits, token_logprobs
+    from learner.batch_plan import plan_one_shard
     from learner.objective import PolicyLossInputs, compute_policy_loss, entropy_from_logits
-    from learner.rank_setup import DTYPES, micro_batches
+    from learner.rank_setup import DTYPES
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.perf_counter()
@@ -69,20 +70,19 @@ def run_plain(cfg, folder: Path, shard: dict, normalizer, warmup: int, steps: in
     res.setup_s = time.perf_counter() - t0
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     temp = cfg.rollout.temperature
-    slices = micro_batches(len(shard["prompt_ids"]), lc.micro_batch_size)
+    plan = plan_one_shard(shard, cfg)
     ph = Phases()
 
     def step(instrument: bool) -> float:
         total_loss = 0.0
-        for sl in slices:
+        for idx in plan:
             t = time.perf_counter()
-            batch = collate(shard["prompt_ids"][sl], shard["response_ids"][sl], pad_id)
-            for name, value in vars(batch).items():  # every tensor field, as LearnerRank._to moves them
+            part = shard.select(idx)
+            batch = collate(part, pad_id)
+            for name, value in vars(batch).items():  # every tensor field, as LearnerRank._collate moves them
                 if torch.is_tensor(value):
                     setattr(batch, name, value.to(dev))
-            width = batch.loss_mask.size(1)
-            sample_mask = torch.tensor(shard["sample_mask"][sl], dtype=torch.bool, device=dev)
-            loss_mask = batch.loss_mask & sample_mask[:, None]
+            part = part.to(dev)
             if chunked:
                 logprobs, entropy = _chunked_scores(model, batch, temp, chunk_tokens)
             else:
@@ -91,9 +91,8 @@ def run_plain(cfg, folder: Path, shard: dict, normalizer, warmup: int, steps: in
                 with torch.no_grad():
                     entropy = entropy_from_logits(logits.detach())
             inputs = PolicyLossInputs(
-                behavior_logprobs=pad_per_token(shard["behavior_logprobs"][sl], width).to(dev),
-                advantages=pad_per_token(shard["advantages"][sl], width).to(dev),
-                loss_mask=loss_mask, proximal_logprobs=logprobs.detach(), ref_logprobs=None, entropy=entropy)
+                behavior_logprobs=part.behavior_logprobs, advantages=part.advantages, loss_mask=part.loss_mask,
+                proximal_logprobs=logprobs.detach(), ref_logprobs=None, entropy=entropy)
             loss, metrics = compute_policy_loss(logprobs, inputs, cfg.algorithm, normalizer)
             total_loss += metrics["loss"]
             if instrument:
@@ -109,7 +108,7 @@ def run_plain(cfg, folder: Path, shard: dict, normalizer, warmup: int, steps: in
                 ph.bwd += time.perf_counter() - t1
             if not chunked:
                 del logits
-            del logprobs, entropy, inputs, loss, batch
+            del logprobs, entropy, inputs, loss, batch, part
         t = time.perf_counter()
         torch.nn.utils.clip_grad_norm_(masters, lc.max_grad_norm)
         opt.step()

@@ -29,24 +29,22 @@ PRESETS = ["reinforce", "rloo", "grpo", "dr_grpo", "dapo", "gspo", "cispo", "rei
 
 
 def run_one(cfg, folder: Path, port: int, resp_len: int, prompt_len: int, samples: int) -> dict:
-    from learner.batch import pad_per_token
     from learner.learner_actor import LearnerRank
     from learner.objective import count_normalizer, kl_for_reward, kl_in_reward
 
     shard = make_shard(samples, prompt_len, resp_len, VOCAB, seed=0)
-    mask = torch.ones(samples, resp_len, dtype=torch.bool)
-    normalizer = count_normalizer(mask, resp_len)
+    normalizer = count_normalizer(shard.loss_mask, resp_len)
     learner = LearnerRank(cfg, rank=0, world_size=1, model_path=str(folder))
     learner.setup("127.0.0.1", port)
     try:
         # Behavior log-probs near the policy's own, as vLLM's would be: random ones near -2 against a random
         # model's -12 make every importance weight ~e^-10 and the gradient vanish.
-        shard["behavior_logprobs"] = learner.policy_logprobs(shard)
+        shard = shard.with_fields(behavior_logprobs=learner.policy_logprobs(shard))
         out = {}
         if kl_in_reward(cfg.algorithm):
-            ref = pad_per_token(learner.ref_logprobs(shard), resp_len)
-            behavior = pad_per_token(shard["behavior_logprobs"], resp_len)
-            out["kl_reward_mean"] = float(kl_for_reward(behavior, ref, mask, cfg.algorithm).mean())
+            ref = learner.ref_logprobs(shard)
+            out["kl_reward_mean"] = float(kl_for_reward(shard.behavior_logprobs, ref, shard.loss_mask,
+                                                        cfg.algorithm).mean())
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(2):
@@ -67,7 +65,7 @@ def run_one(cfg, folder: Path, port: int, resp_len: int, prompt_len: int, sample
         torch.cuda.reset_peak_memory_stats()
 
 
-def run_critic(cfg, folder: Path, port: int, shard: dict) -> float:
+def run_critic(cfg, folder: Path, port: int, shard) -> float:
     """ppo: the critic rank on the same GPU stamps values on the shard, then takes two updates toward returns of
     1 on every token (stamped values as the old ones). Returns the second update's value loss."""
     from learner.critic_rank import CriticRank
@@ -76,10 +74,10 @@ def run_critic(cfg, folder: Path, port: int, shard: dict) -> float:
     critic.setup("127.0.0.1", port)  # joins the process group the learner rank already opened (world size 1)
     try:
         values, _ = critic.values(shard)
-        batch = {**shard, "returns": [[1.0] * len(v) for v in values], "old_values": values}
+        batch = shard.with_fields(returns=torch.ones_like(values), values=values)
         for _ in range(2):
-            metrics = critic.train_step(batch, float(sum(len(v) for v in values)), num_micro_batches=max(
-                1, -(-len(values) // cfg.critic.micro_batch_size)))
+            metrics = critic.train_step(batch, float(batch.loss_mask.sum()), num_micro_batches=max(
+                1, -(-batch.num_samples // cfg.critic.micro_batch_size)))
         if not metrics["value_loss"] == metrics["value_loss"]:
             raise RuntimeError(f"non-finite critic value loss: {metrics}")
         return metrics["value_loss"]

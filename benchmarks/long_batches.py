@@ -119,13 +119,14 @@ def memory_row(args) -> dict:
     from learner.learner_actor import LearnerRank
     from learner.objective import count_normalizer
     from protocols.config import load_config
+    from protocols.training_batch import TrainingBatch
 
     n, resp, prompt = args.row_samples, args.row_resp, args.prompt_len
     g = torch.Generator().manual_seed(resp)
-    shard = {"prompt_ids": torch.randint(0, args.vocab, (n, prompt), generator=g).tolist(),
-             "response_ids": torch.randint(0, args.vocab, (n, resp), generator=g).tolist(),
-             "behavior_logprobs": [[-2.0] * resp for _ in range(n)],
-             "advantages": [[1.0 if i % 2 else -1.0] * resp for i in range(n)], "sample_mask": [True] * n}
+    shard = TrainingBatch.from_samples(
+        torch.randint(0, args.vocab, (n, prompt), generator=g).tolist(),
+        torch.randint(0, args.vocab, (n, resp), generator=g).tolist(), [[-2.0] * resp for _ in range(n)],
+        advantages=[[1.0 if i % 2 else -1.0] * resp for i in range(n)])
     if args.row_path == "old":
         learner_cfg = [f"learner.micro_batch_size={args.old_micro_batch}", "learner.logits_chunk_tokens=0"]
     else:
@@ -136,8 +137,7 @@ def memory_row(args) -> dict:
                              *learner_cfg])
     learner = LearnerRank(cfg, 0, 1, args.row_model)
     learner.setup("127.0.0.1", free_port())
-    mask = torch.ones(n, resp, dtype=torch.bool)
-    norm = count_normalizer(mask, resp)
+    norm = count_normalizer(shard.loss_mask, resp)
     learner.train_step(shard, norm)  # warm-up: optimizer state exists from here on
     t = time.perf_counter()
     metrics = learner.train_step(shard, norm)

@@ -57,7 +57,7 @@ def run_row(folder: Path, path: str, resp_len: int, grad_ckpt: bool, args, port:
         f"data.max_prompt_tokens={args.prompt_len}", *learner_cfg])
     # samples_per_prompt must be >= 2 in the config; the rank trains the shard it is given, whatever its size.
     shard = make_shard(args.samples, args.prompt_len, resp_len, args.vocab, seed=resp_len)
-    normalizer = count_normalizer(torch.ones(args.samples, resp_len, dtype=torch.bool), resp_len)
+    normalizer = count_normalizer(shard.loss_mask, resp_len)
     learner = LearnerRank(cfg, 0, 1, str(folder))
     out = {"path": path, "resp": resp_len, "gc": grad_ckpt, "samples": args.samples,
            "ka": keep_attention and path == "new" and grad_ckpt}
