@@ -6,9 +6,13 @@ rollout worker makes one `sync` call per batch of groups (hand over scored group
 stats) and keeps one long poll (`watch`) open that returns when new weights are published, the run stops, or
 admission budget it waits for is freed. The driver takes batches and publishes weights. The logic is plain
 Python and serializable (`state_dict`), so the simulator and the checkpoints use the same class;
-`ControllerActor` adds the two asynchronous Ray entry points. Beside it: the messages (actors/controller_messages.py),
-the prompt cursor (actors/prompt_cursor.py), the lease bookkeeping (actors/leases.py) and the joining of the
-scoring tasks a worker hands over (actors/stream_join.py).
+`ControllerActor` adds the asynchronous Ray entry points. Beside it: the messages (actors/controller_messages.py),
+the prompt cursor (actors/prompt_cursor.py), the lease bookkeeping (actors/leases.py), the live scoring worker
+lists (actors/scoring_lists.py) and the joining of the scoring tasks a worker hands over (actors/stream_join.py).
+
+The policy version is the driver's (cluster/trainer.py: a learner step makes the next one, and the learner stamps
+it on the weights before they reach here). The controller keeps no counter of its own: it holds the newest
+weights with their version (`publish`), and takes the driver's version with each `take_batch` / `wait_batch`.
 """
 
 import asyncio
@@ -21,13 +25,14 @@ from actors.controller_messages import SyncReply, SyncRequest, WatchReply
 from actors.leases import LeaseBook
 from actors.prompt_cursor import PromptCursor
 from actors.replay_queue import ReplayQueue
+from actors.scoring_lists import ScoringLists
 from actors.stream_join import ReferenceFailed, resolve_all, sort_results
 from protocols.trajectory import Prompt, TrajectoryGroup, WeightVersion
 
 log = logging.getLogger(__name__)
 
 
-class RolloutController(LeaseBook):
+class RolloutController(LeaseBook, ScoringLists):
     """Admission, leases, queue and weights. Admission rule (AReaL's staleness control, Fu et al. 2025, sec. 5.1):
     a worker holding policy version w may start a group only while
 
@@ -50,29 +55,21 @@ class RolloutController(LeaseBook):
                  drop_zero_variance: bool, seed: int, num_workers: int = 1,
                  clock: Callable[[], float] = time.monotonic) -> None:
         LeaseBook.__init__(self)
+        ScoringLists.__init__(self)
         self.cursor = PromptCursor(prompts, seed)
         self.prompts_per_step = prompts_per_step
         self.max_staleness = max_staleness
         self.num_workers = num_workers
         self.queue = ReplayQueue(max_staleness, drop_zero_variance)
         self.admitted = 0
-        self.learner_version = 0
         self.stopped = False
         self._weights: tuple[int, list] = (0, [])
+        """(version, [weights ref]) of the newest published weights."""
         self.published: list[WeightVersion] = []
         self.worker_stats: dict[int, dict] = {}
         self.clock = clock
         self.calls: Counter[str] = Counter()
-        self.reward_workers: list = []
-        self.critic_actor_ids: set[str] = set()
-        """Critic workers (PPO) chained after the reward workers: a group that met a dead one is handed back to be
-        sent again after the driver restarted the critic group (dropped `critic_failed` on a worker's final call),
-        never taken for a reward worker's."""
-        self.reward_generation = 0
         self.rescored = 0
-        self.model_workers: dict[str, list] = {}
-        """Live reference and critic worker lists, set by the driver after it replaced one (see set_model_workers)."""
-        self.model_generation = 0
         self.rescored_reference = 0
         self.rescored_critic = 0
         # starved worker -> (its version, groups it still wants), oldest first; and those whose watch should return
@@ -86,21 +83,18 @@ class RolloutController(LeaseBook):
         limit = (worker_version + self.max_staleness + 1) * self.prompts_per_step
         return max(0, limit - (self.admitted - dropped))
 
-    def acquire(self, worker_id: int, worker_version: int, max_groups: int,
-                in_flight: int = 0) -> tuple[bool, list[tuple[str, Prompt]]]:
-        """Up to `max_groups` prompts the worker may start now, as (group_id, prompt); first value: stop flag.
-        `in_flight` is the number of groups the worker is still generating."""
-        self.calls["acquire"] += 1
-        if self.stopped:
-            return True, []
-        return False, self._admit(worker_id, worker_version, max_groups, in_flight)
+    @property
+    def fair_share(self) -> int | None:
+        """At max_staleness 0, the groups in flight one worker may hold: ceil(prompts_per_step / num_workers)."""
+        return -(-self.prompts_per_step // self.num_workers) if self.max_staleness == 0 else None
 
     def _admit(self, worker_id: int, worker_version: int, max_groups: int, in_flight: int) -> list:
+        """Up to `max_groups` prompts the worker may start now, as (group_id, prompt): groups to re-issue first,
+        then new ones within the admission budget. `in_flight` is the number it is still generating."""
         if worker_id in self.lost_workers:  # a call from a worker declared dead, still in flight when it died
             return []
-        if self.max_staleness == 0:
-            fair_share = -(-self.prompts_per_step // self.num_workers)
-            max_groups = min(max_groups, fair_share - in_flight)
+        if self.fair_share is not None:
+            max_groups = min(max_groups, self.fair_share - in_flight)
         granted = []
         now = self.clock()
         while self.reissue and len(granted) < max_groups:
@@ -128,13 +122,9 @@ class RolloutController(LeaseBook):
             self.worker_stats[request.worker_id] = request.stats
         self._waiting.pop(request.worker_id, None)
         self._woken.discard(request.worker_id)
-        reply = SyncReply(stop=self.stopped, weights=self.latest_weights(request.version))
-        if self.max_staleness == 0:
-            reply.max_in_flight = -(-self.prompts_per_step // self.num_workers)
-        if request.reward_generation < self.reward_generation:
-            reply.reward_workers = (self.reward_generation, list(self.reward_workers))
-        if request.model_generation < self.model_generation:
-            reply.model_workers = (self.model_generation, {k: list(v) for k, v in self.model_workers.items()})
+        reply = SyncReply(stop=self.stopped, weights=self.latest_weights(request.version),
+                          max_in_flight=self.fair_share)
+        self._newer_lists(request, reply)
         if not reply.stop and reply.weights is None and request.want > 0:
             reply.granted = self._admit(request.worker_id, request.version, request.want, request.in_flight)
             if len(reply.granted) < request.want and self.budget(request.version) == 0:
@@ -156,11 +146,6 @@ class RolloutController(LeaseBook):
     def take_woken(self) -> set[int]:
         """Workers woken for freed budget since the last call (the simulator delivers their watch replies)."""
         return set(self._woken)
-
-    def poll(self, known_version: int) -> tuple[bool, tuple[int, list] | None]:
-        """(stop flag, newer weights or None) in one call; workers use `watch` instead."""
-        self.calls["poll"] += 1
-        return self.stopped, self.latest_weights(known_version)
 
     def latest_weights(self, known_version: int) -> tuple[int, list] | None:
         """(version, [weights ref]) when newer than `known_version`, else None."""
@@ -200,32 +185,7 @@ class RolloutController(LeaseBook):
         self._wake_waiters()
         return group_ids
 
-    # --- reward workers ----------------------------------------------------------------------------------------
-    def set_critic_actor_ids(self, actor_ids: list[str]) -> None:
-        self.critic_actor_ids = set(actor_ids)
-
-    def set_reward_workers(self, workers: list) -> int:
-        """The live reward worker list after a replacement; every rollout worker gets it with its next `sync`
-        reply. Returns the new generation."""
-        self.calls["set_reward_workers"] += 1
-        self.reward_workers = list(workers)
-        self.reward_generation += 1
-        return self.reward_generation
-
-    def set_model_workers(self, role: str, workers: list) -> int:
-        """The live list of `role` ("reference" or "critic") after a replacement or a critic restart; every
-        rollout worker gets it with its next `sync` reply. Returns the new generation."""
-        self.calls["set_model_workers"] += 1
-        self.model_workers[role] = list(workers)
-        self.model_generation += 1
-        return self.model_generation
-
-    def put(self, group: TrajectoryGroup) -> bool:
-        self.calls["put"] += 1
-        queued = self._put(group)
-        self._wake_waiters()
-        return queued
-
+    # --- scored and dropped groups ------------------------------------------------------------------------
     def _put(self, group: TrajectoryGroup) -> bool:
         if not self._end_lease(group.group_id):
             return False
@@ -236,17 +196,6 @@ class RolloutController(LeaseBook):
 
     def _queue_grew(self) -> None:
         """Hook: a batch may be ready (the Ray actor wakes the driver's `wait_batch`)."""
-
-    def report_dropped(self, reason: str, count: int = 1, group_ids: list[str] | None = None) -> None:
-        """Groups a worker abandoned (for example its requests failed); they free admission budget. With
-        `group_ids` their leases end too."""
-        self.calls["report_dropped"] += 1
-        if group_ids is None:
-            self.queue.received += count
-            self.queue.dropped[reason] += count
-        else:
-            self._drop(reason, group_ids)
-        self._wake_waiters()
 
     def _drop(self, reason: str, group_ids: list[str]) -> None:
         count = sum(self._end_lease(g) for g in group_ids)
@@ -259,7 +208,6 @@ class RolloutController(LeaseBook):
         return self._take_batch(learner_version)
 
     def _take_batch(self, learner_version: int) -> list[TrajectoryGroup] | None:
-        self.learner_version = learner_version
         batch = self.queue.take(self.prompts_per_step, learner_version)
         self._wake_waiters()  # stale drops free budget
         return batch
@@ -270,15 +218,10 @@ class RolloutController(LeaseBook):
         self.calls["publish"] += 1
         self._weights = (weights.version, refs)
         self.published.append(weights)
-        self.learner_version = weights.version
         # every worker's watch returns with the new weights; after loading them it asks again
         self._waiting.clear()
         self._woken.clear()
         self._notify()
-
-    def report_worker_stats(self, worker_id: int, stats: dict) -> None:
-        self.calls["report_worker_stats"] += 1
-        self.worker_stats[worker_id] = stats
 
     def stop(self) -> None:
         self.stopped = True
@@ -317,7 +260,6 @@ class RolloutController(LeaseBook):
             "cursor": self.cursor.state_dict(),
             "queue": self.queue.state_dict(),
             "admitted": self.admitted,
-            "learner_version": self.learner_version,
             **self._leases_state(),
         }
 
@@ -325,7 +267,7 @@ class RolloutController(LeaseBook):
         self.cursor.load_state_dict(state["cursor"])
         self.queue.load_state_dict(state["queue"])
         self.admitted = state["admitted"]
-        self.learner_version = state["learner_version"]
+        # (checkpoints before this one also hold "learner_version": the driver publishes its own after loading)
         self._load_leases_state(state)
         self._dropped_seen = sum(self.queue.dropped.values())
 

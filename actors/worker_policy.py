@@ -41,10 +41,12 @@ class PolicySettings:
 class WorkerPolicy:
     """State of one worker's control loop. `in_flight` arguments are the groups its engine is generating."""
 
-    def __init__(self, settings: PolicySettings, worker_id: int, version: int = 0) -> None:
+    def __init__(self, settings: PolicySettings, worker_id: int, loaded_version: int = 0) -> None:
         self.settings = settings
         self.worker_id = worker_id
-        self.version = version
+        self.loaded_version = loaded_version
+        """The version of the weights in the worker's engine, as the worker reports it (`loaded`); the policy
+        version itself is the driver's, and reaches the policy only as newer weights on offer."""
         self.newer: tuple[int, list] | None = None
         self.stopped = False
         self.starved = False
@@ -55,7 +57,7 @@ class WorkerPolicy:
         """(group_id, scored group or its ObjectRef) ready to hand over."""
         self.held_since: float | None = None
         self.dropped: dict[str, list[str]] = {}
-        self.versions_seen = [version]
+        self.versions_seen = [loaded_version]
         self.max_in_flight = settings.prompts_in_flight
         """prompts_in_flight, or less where the controller caps it (the fair share at max_staleness 0)."""
 
@@ -80,7 +82,7 @@ class WorkerPolicy:
             self.dropped.setdefault(reason, []).extend(group_ids)
 
     def _offer(self, weights: tuple[int, list] | None) -> None:
-        if weights is None or weights[0] <= self.version:
+        if weights is None or weights[0] <= self.loaded_version:
             return
         if self.newer is None or weights[0] > self.newer[0]:
             self.newer = weights
@@ -115,7 +117,7 @@ class WorkerPolicy:
 
     def request(self, now: float, in_flight: int, stats: dict | None = None) -> SyncRequest:
         """The `sync` call to make now; what it carries leaves the policy."""
-        req = SyncRequest(worker_id=self.worker_id, version=self.version, in_flight=in_flight,
+        req = SyncRequest(worker_id=self.worker_id, version=self.loaded_version, in_flight=in_flight,
                           want=self.want(in_flight), scored=self.scored, dropped=self.dropped, stats=stats)
         self.scored, self.dropped, self.held_since = [], {}, None
         self.synced, self.woken = True, False
@@ -137,7 +139,7 @@ class WorkerPolicy:
         return self.newer if self.settings.partial_rollouts or in_flight == 0 else None
 
     def loaded(self, version: int) -> None:
-        self.version = version
+        self.loaded_version = version
         self.versions_seen.append(version)
         if self.newer is not None and self.newer[0] <= version:
             self.newer = None

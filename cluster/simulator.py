@@ -237,7 +237,7 @@ class Simulation:
         for e in engines:
             if e.exited:
                 continue
-            news = self.controller.watch_news(e.worker_id, e.policy.version)
+            news = self.controller.watch_news(e.worker_id, e.policy.loaded_version)
             if news is None:
                 continue
             e.policy.on_watch(news)
@@ -247,8 +247,8 @@ class Simulation:
 
     def _synced(self, e: _Engine, now: float) -> None:
         version = e.loading[0]
-        if version <= e.policy.version:
-            raise RuntimeError(f"engine {e.worker_id} would load version {version} over {e.policy.version}")
+        if version <= e.policy.loaded_version:
+            raise RuntimeError(f"engine {e.worker_id} would load version {version} over {e.policy.loaded_version}")
         e.policy.loaded(version)
         e.loading = None
         e.version_changes.append((e.steps, version))

@@ -1,6 +1,7 @@
 """The replay queue and the controller's admission rule, driven directly (no Ray)."""
 
 from actors.controller import PromptCursor, RolloutController
+from actors.controller_messages import SyncRequest
 from actors.replay_queue import ReplayQueue
 from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup, WeightVersion
 
@@ -17,6 +18,14 @@ def make_group(group_id: str, rewards: list[float], version: int) -> TrajectoryG
         for i, r in enumerate(rewards)
     ]
     return TrajectoryGroup(group_id=group_id, trajectories=trajectories)
+
+
+def ask(c: RolloutController, worker_id: int, version: int, want: int, in_flight: int = 0,
+        scored: list[TrajectoryGroup] = ()) -> list:
+    """A worker's `sync` call: hand over `scored`, ask for `want` groups; returns the groups granted."""
+    request = SyncRequest(worker_id=worker_id, version=version, in_flight=in_flight, want=want,
+                          scored=[(g.group_id, g) for g in scored])
+    return c.sync(request).granted
 
 
 def test_zero_variance_groups_are_dropped_and_counted():
@@ -64,25 +73,24 @@ def test_every_received_group_is_trained_dropped_or_waiting():
 def test_admission_allows_max_staleness_plus_one_batches():
     # prompts_per_step 2, max_staleness 1: a worker at version 0 may start (0 + 1 + 1) * 2 = 4 groups
     c = RolloutController(make_prompts(10), prompts_per_step=2, max_staleness=1, drop_zero_variance=False, seed=0)
-    stop, granted = c.acquire(worker_id=0, worker_version=0, max_groups=10)
-    assert not stop and len(granted) == 4
-    assert c.acquire(0, 0, 10)[1] == []
+    assert len(ask(c, worker_id=0, version=0, want=10)) == 4
+    assert ask(c, 0, 0, 10) == []
     # after one published version the worker may start 2 more
-    assert len(c.acquire(0, 1, 10)[1]) == 2
+    assert len(ask(c, 0, 1, 10)) == 2
 
 
 def test_dropped_groups_free_admission_budget():
     # at max_staleness 0 a zero-variance drop must be replaced, or the learner would wait forever
     c = RolloutController(make_prompts(10), prompts_per_step=2, max_staleness=0, drop_zero_variance=True, seed=0)
-    assert len(c.acquire(0, 0, 10)[1]) == 2
-    c.put(make_group("g0", [0, 0], 0))
-    assert len(c.acquire(0, 0, 10)[1]) == 1
+    assert len(ask(c, 0, 0, 10)) == 2
+    # g0 comes back zero-variance and is dropped: the budget it frees is granted in the same call
+    assert len(ask(c, 0, 0, 10, in_flight=1, scored=[make_group("g0", [0, 0], 0)])) == 1
 
 
 def test_controller_state_round_trips():
     c = RolloutController(make_prompts(5), prompts_per_step=2, max_staleness=1, drop_zero_variance=False, seed=3)
-    c.acquire(0, 0, 3)
-    c.put(make_group("g0", [1, 0], 0))
+    ask(c, 0, 0, 3)
+    ask(c, 0, 0, 0, scored=[make_group("g0", [1, 0], 0)])
     state = c.state_dict()
     d = RolloutController(make_prompts(5), prompts_per_step=2, max_staleness=1, drop_zero_variance=False, seed=3)
     d.load_state_dict(state)
@@ -102,14 +110,15 @@ def test_synchronous_admission_splits_the_batch_over_workers():
     # prompts_per_step 4 over 2 workers at max_staleness 0: each may hold ceil(4 / 2) = 2 groups in flight
     c = RolloutController(make_prompts(10), prompts_per_step=4, max_staleness=0, drop_zero_variance=False, seed=0,
                           num_workers=2)
-    assert len(c.acquire(worker_id=0, worker_version=0, max_groups=10, in_flight=0)[1]) == 2
-    assert c.acquire(worker_id=0, worker_version=0, max_groups=10, in_flight=2)[1] == []
-    assert len(c.acquire(worker_id=1, worker_version=0, max_groups=10, in_flight=0)[1]) == 2
+    assert len(ask(c, worker_id=0, version=0, want=10, in_flight=0)) == 2
+    assert ask(c, worker_id=0, version=0, want=10, in_flight=2) == []
+    assert len(ask(c, worker_id=1, version=0, want=10, in_flight=0)) == 2
 
 
-def test_poll_reports_stop_and_newer_weights_in_one_call():
+def test_watch_reports_stop_and_newer_weights_in_one_reply():
     c = RolloutController(make_prompts(2), prompts_per_step=1, max_staleness=0, drop_zero_variance=False, seed=0)
-    assert c.poll(known_version=0) == (False, None)
+    assert c.watch_news(0, known_version=0) is None
     c.publish(WeightVersion(version=1), ["ref"])
     c.stop()
-    assert c.poll(known_version=0) == (True, (1, ["ref"]))
+    news = c.watch_news(0, known_version=0)
+    assert news.stop and news.weights == (1, ["ref"])

@@ -1,0 +1,188 @@
+"""The rollout worker's decode loop, without vLLM: requests in, sampled groups out, one engine step at a time.
+
+`RolloutWorker` (actors/rollout_worker.py) owns the engine and calls `step` between its safe points; this class
+turns the engine's outputs into `Trajectory` records, stamping every token with the policy version of the
+weights that sampled it. When a request ends, `on_request_end` decides whether its sample is finished or goes on
+as a new request on its exact token prefix (prompt + every segment so far): the seam a multi-turn agent loop
+plugs into (a sample that stopped at a tool call continues after the tool's output). The default finishes.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup
+
+
+@dataclass(frozen=True)
+class Continue:
+    """Go on as a new request that starts from `prefix_ids` and may sample at most `max_tokens` more."""
+
+    prefix_ids: list[int]
+    """The sample's exact token prefix: prompt + every segment so far (`SampleInFlight.prefix_ids`)."""
+    max_tokens: int
+    """At most what the sample's budget has left (`SampleInFlight.tokens_left`)."""
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The sample is complete: it becomes a `Trajectory`."""
+
+
+FINISHED = Finished()
+RequestEnd = Continue | Finished
+
+
+@dataclass
+class SampleInFlight:
+    """One sample of a group across its requests: the tokens sampled so far, their behavior log-probs and the
+    policy version of each."""
+
+    group_id: str
+    index: int
+    prompt: Prompt
+    max_response_tokens: int
+    response_token_ids: list[int] = field(default_factory=list)
+    behavior_logprobs: list[float] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
+    """One per token streamed so far; runs ahead of `response_token_ids` while a request is going."""
+    response_text: str = ""
+    segments: int = 0
+    """Requests that ended so far."""
+
+    @property
+    def prefix_ids(self) -> list[int]:
+        return [*self.prompt.prompt_token_ids, *self.response_token_ids]
+
+    @property
+    def tokens_left(self) -> int:
+        return self.max_response_tokens - len(self.response_token_ids)
+
+    def continue_here(self) -> Continue:
+        """A continuation on this sample's prefix with the rest of its budget."""
+        return Continue(self.prefix_ids, self.tokens_left)
+
+
+def finish_every_request(sample: SampleInFlight, output: Any) -> RequestEnd:
+    """The single-turn rule: a sample ends with its first request."""
+    return FINISHED
+
+
+class Engine(Protocol):
+    """What the loop needs of vLLM's `LLMEngine`."""
+
+    def add_request(self, request_id: str, prompt: dict, params: Any) -> None: ...
+    def step(self) -> list: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def abort_request(self, request_ids: list[str]) -> None: ...
+
+
+SamplingParamsFor = Callable[[SampleInFlight, int], Any]
+"""(sample, max_tokens) -> the engine's sampling parameters for the sample's next request."""
+
+
+class _GroupInFlight:
+    def __init__(self, group_id: str, prompt: Prompt, size: int, max_response_tokens: int) -> None:
+        self.group_id = group_id
+        self.samples = [SampleInFlight(group_id, i, prompt, max_response_tokens) for i in range(size)]
+        self.trajectories: list[Trajectory | None] = [None] * size
+
+    @property
+    def done(self) -> bool:
+        return all(t is not None for t in self.trajectories)
+
+
+class DecodeLoop:
+    """The groups a worker's engine is generating. `on_request_end(sample, output)` returns `Continue` or
+    `Finished`; its `output` is the engine's `RequestOutput` of the request that ended."""
+
+    def __init__(self, engine: Engine, sampling_params: SamplingParamsFor, samples_per_prompt: int,
+                 max_response_tokens: int, worker_id: int,
+                 on_request_end: Callable[[SampleInFlight, Any], RequestEnd] = finish_every_request) -> None:
+        self.engine = engine
+        self.sampling_params = sampling_params
+        self.samples_per_prompt = samples_per_prompt
+        self.max_response_tokens = max_response_tokens
+        self.worker_id = worker_id
+        self.on_request_end = on_request_end
+        self.active: dict[str, _GroupInFlight] = {}
+        self.requests: dict[str, tuple[SampleInFlight, int]] = {}
+        """request id -> (its sample, tokens of this request already streamed)."""
+
+    def start_group(self, group_id: str, prompt: Prompt) -> None:
+        group = _GroupInFlight(group_id, prompt, self.samples_per_prompt, self.max_response_tokens)
+        self.active[group_id] = group
+        for sample in group.samples:
+            self._add_request(sample, sample.prefix_ids, self.max_response_tokens)
+
+    def _add_request(self, sample: SampleInFlight, prefix_ids: list[int], max_tokens: int) -> None:
+        # the first request keeps the id (and, in the worker, the seed) of a single-turn sample
+        suffix = f"/{sample.segments}" if sample.segments else ""
+        request_id = f"{sample.group_id}/{sample.index}{suffix}"
+        self.requests[request_id] = (sample, 0)
+        self.engine.add_request(request_id, {"prompt_token_ids": prefix_ids},
+                                self.sampling_params(sample, max_tokens))
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def step(self, version: int) -> list[TrajectoryGroup]:
+        """One engine step; tokens it sampled carry `version`. Returns the groups it finished."""
+        finished = []
+        for out in self.engine.step():
+            group = self._on_output(out, version)
+            if group is not None:
+                finished.append(group)
+        return finished
+
+    def _on_output(self, out: Any, version: int) -> TrajectoryGroup | None:
+        sample, seen = self.requests[out.request_id]
+        completion = out.outputs[0]
+        sample.token_versions.extend([version] * (len(completion.token_ids) - seen))
+        self.requests[out.request_id] = (sample, len(completion.token_ids))
+        if not out.finished:
+            return None
+        del self.requests[out.request_id]
+        sample.response_token_ids.extend(completion.token_ids)
+        sample.behavior_logprobs.extend(next(iter(d.values())).logprob for d in completion.logprobs)
+        sample.response_text += completion.text
+        sample.segments += 1
+        decision = self.on_request_end(sample, out)
+        if isinstance(decision, Continue):
+            self._check(sample, decision)
+            self._add_request(sample, decision.prefix_ids, decision.max_tokens)
+            return None
+        group = self.active[sample.group_id]
+        group.trajectories[sample.index] = Trajectory(
+            group_id=sample.group_id, sample_index=sample.index, prompt=sample.prompt,
+            response_token_ids=sample.response_token_ids, behavior_logprobs=sample.behavior_logprobs,
+            token_versions=sample.token_versions, response_text=sample.response_text,
+            finish_reason="length" if completion.finish_reason == "length" else "stop",
+            worker_id=self.worker_id,
+        )
+        if not group.done:
+            return None
+        del self.active[sample.group_id]
+        return TrajectoryGroup(group_id=sample.group_id, trajectories=group.trajectories)
+
+    @staticmethod
+    def _check(sample: SampleInFlight, decision: Continue) -> None:
+        if decision.prefix_ids != sample.prefix_ids:
+            # Tokens the engine did not sample (a tool's output) need a per-token loss mask in the trajectory.
+            raise ValueError(
+                f"sample {sample.group_id}/{sample.index}: a continuation must start from the sample's exact prefix "
+                f"(prompt + the {len(sample.response_token_ids)} tokens sampled so far), got {len(decision.prefix_ids)} "
+                "different tokens; build it with SampleInFlight.continue_here()")
+        if not 0 < decision.max_tokens <= sample.tokens_left:
+            raise ValueError(
+                f"sample {sample.group_id}/{sample.index}: a continuation's max_tokens={decision.max_tokens} must be "
+                f"between 1 and the {sample.tokens_left} tokens its budget (rollout.max_response_tokens="
+                f"{sample.max_response_tokens}) has left; return Finished once it is spent")
+
+    def abort(self) -> list[str]:
+        """Abort every request; returns the ids of the groups that were in flight (they are forgotten)."""
+        if self.requests:
+            self.engine.abort_request(list(self.requests))
+            self.requests.clear()
+        group_ids = list(self.active)
+        self.active.clear()
+        return group_ids
