@@ -10,5 +10,7 @@ install:
 train: install
 	$(VENV)/bin/relayrl train $(ARGS)
 
+# Pure tests run first (tests/conftest.py orders them), and the 20 slowest are listed at the end of every run
+# so that a test that grows shows.
 test: install
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests $(ARGS)
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=20 tests $(ARGS)

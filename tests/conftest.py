@@ -1,4 +1,5 @@
-"""Shared fixtures for the real-stack tests: one local Ray per session and tiny model folders built locally."""
+"""Shared fixtures for the real-stack tests: one local Ray per session and tiny model folders built locally; and the
+order of a run: pure tests first, then the real-stack (slow) ones, those that replace the session's Ray last."""
 
 import os
 from pathlib import Path
@@ -23,8 +24,8 @@ TEST_ENV_VARS = {"DS_ACCELERATOR": "cpu", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 
 
 def start_test_ray() -> None:
-    """The session's local Ray (8 logical CPUs). Tests that need another cluster shut it down and call this
-    again when they are done, so the tests after them find it as before."""
+    """The session's local Ray (8 logical CPUs), started if none is connected. Tests that need another cluster
+    shut it down; the next test that asks for `ray_cluster` starts it again."""
     import ray
 
     from cluster.ray_setup import QUIET_ENV
@@ -34,13 +35,39 @@ def start_test_ray() -> None:
                  runtime_env={"env_vars": {**QUIET_ENV, **TEST_ENV_VARS}})
 
 
+# Fixtures that shut the session's Ray down for a cluster of their own (tests/test_multinode.py): their tests run
+# last, so the session's Ray is not started again after them for nothing.
+REPLACES_SESSION_RAY = frozenset({"three_nodes"})
+
+
+def pytest_collection_modifyitems(config, items):
+    """Pure tests first (a failure there shows in seconds, not after the real stack's minutes), then the slow ones,
+    then those that replace the session's Ray; the collection order is kept within each part (a stable sort)."""
+    def part(item) -> int:
+        if item.get_closest_marker("slow") is None:
+            return 0
+        return 2 if REPLACES_SESSION_RAY & set(item.fixturenames) else 1
+
+    items.sort(key=part)
+
+
 @pytest.fixture(scope="session")
-def ray_cluster():
+def _session_ray():
+    """Shuts the session's Ray down at the end of the run."""
+    yield
+    import ray
+
+    ray.shutdown()
+
+
+@pytest.fixture
+def ray_cluster(_session_ray):
+    """The session's local Ray: started once, then reused by every test (started again only after a module that
+    replaced it with a cluster of its own)."""
     import ray
 
     start_test_ray()
-    yield ray
-    ray.shutdown()
+    return ray
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,7 @@
 
 Each node is its own raylet with its own object store (ray.cluster_utils.Cluster), so published weights reach
 the rollout worker only by crossing object stores, as between machines. The session's local Ray is shut down for
-this module and started again after it.
+this module (which runs last, tests/conftest.py); a later test that asks for `ray_cluster` starts it again.
 """
 
 import json
@@ -15,7 +15,7 @@ import ray
 
 from cluster.trainer import Trainer
 from protocols.config import load_config
-from tests.conftest import TEST_ENV_VARS, start_test_ray
+from tests.conftest import TEST_ENV_VARS
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,6 @@ def three_nodes():
 
     from cluster.ray_setup import QUIET_ENV
 
-    was_running = ray.is_initialized()
     ray.shutdown()
     # A private temp dir: Cluster writes its address to <temp>/ray/ray_current_cluster, which a plain
     # ray.init() anywhere on this machine would otherwise join.
@@ -56,8 +55,6 @@ def three_nodes():
             os.environ.pop("RAY_TMPDIR", None)
         else:
             os.environ["RAY_TMPDIR"] = old_tmp
-        if was_running:
-            start_test_ray()
 
 
 def _node_of(actor) -> str:
