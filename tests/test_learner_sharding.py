@@ -5,22 +5,22 @@ import torch
 
 from learner.objective import count_normalizer
 from protocols.config import load_config
+from protocols.training_batch import TrainingBatch
 
 pytestmark = pytest.mark.slow
 
 
-def make_batch(num_samples: int, seed: int = 0) -> dict:
+def make_batch(num_samples: int, seed: int = 0) -> TrainingBatch:
     # Ragged responses so token-mean aggregation differs from a per-rank mean if the normalizer were local.
     g = torch.Generator().manual_seed(seed)
-    samples = {"prompt_ids": [], "response_ids": [], "behavior_logprobs": [], "advantages": [], "sample_mask": []}
+    prompts, responses, behavior, advantages = [], [], [], []
     for i in range(num_samples):
         length = 1 + i % 4
-        samples["prompt_ids"].append([1, 3 + i % 10, 13, 3 + (i * 7) % 10, 14])
-        samples["response_ids"].append(torch.randint(3, 13, (length,), generator=g).tolist())
-        samples["behavior_logprobs"].append((-2.5 + 0.1 * torch.randn(length, generator=g)).tolist())
-        samples["advantages"].append([1.0 if i % 2 else -1.0] * length)
-        samples["sample_mask"].append(True)
-    return samples
+        prompts.append([1, 3 + i % 10, 13, 3 + (i * 7) % 10, 14])
+        responses.append(torch.randint(3, 13, (length,), generator=g).tolist())
+        behavior.append((-2.5 + 0.1 * torch.randn(length, generator=g)).tolist())
+        advantages.append([1.0 if i % 2 else -1.0] * length)
+    return TrainingBatch.from_samples(prompts, responses, behavior, advantages=advantages)
 
 
 def run_one_step(model_path: str, num_ranks: int, zero_stage: int) -> tuple[dict, dict]:
@@ -29,12 +29,10 @@ def run_one_step(model_path: str, num_ranks: int, zero_stage: int) -> tuple[dict
     cfg = load_config(None, [f"learner.num_ranks={num_ranks}", f"learner.zero_stage={zero_stage}",
                              "learner.prompts_per_step=2", "rollout.samples_per_prompt=4",
                              "learner.micro_batch_size=2", "learner.lr=1e-3", "algorithm.preset=dapo"])
-    samples = make_batch(8)
-    lengths = torch.tensor([len(r) for r in samples["response_ids"]])
-    mask = torch.arange(int(lengths.max()))[None] < lengths[:, None]
+    batch = make_batch(8)
     group = LearnerGroup(cfg, model_path)
     try:
-        metrics = group.train_step(samples, count_normalizer(mask, cfg.rollout.max_response_tokens))
+        metrics = group.train_step(batch, count_normalizer(batch.loss_mask, cfg.rollout.max_response_tokens))
         packed = __import__("ray").get(group.publish_weights()["refs"][0])
     finally:
         group.shutdown()
