@@ -5,16 +5,17 @@ critic worker -> controller without passing through the rollout worker or the dr
 """
 
 from learner.critic_rank import CriticRank
+from protocols.training_batch import TrainingBatch
 from protocols.trajectory import TrajectoryGroup
 
 
 class CriticWorker(CriticRank):
     def add_values(self, group: TrajectoryGroup) -> TrajectoryGroup:
         """The group with `values` (one per response token) and `critic_version` set on every trajectory."""
-        trajectories = group.trajectories
-        values, version = self.values({"prompt_ids": [t.prompt.prompt_token_ids for t in trajectories],
-                                       "response_ids": [t.response_token_ids for t in trajectories]})
-        stamped = [t.model_copy(update={"values": v, "critic_version": version}) for t, v in zip(trajectories, values)]
+        batch = TrainingBatch.from_trajectories(group.trajectories)
+        values, version = self.values(batch)
+        stamped = [t.model_copy(update={"values": v, "critic_version": version})
+                   for t, v in zip(group.trajectories, batch.per_sample_rows(values))]
         return group.model_copy(update={"trajectories": stamped})
 
     def ping(self) -> int:

@@ -15,9 +15,11 @@ import time
 
 import torch
 
-from learner.rank_setup import attention_implementation, plan_micro_batches
+from learner.batch_plan import plan_one_shard
+from learner.rank_setup import attention_implementation
 from learner.shard_scoring import score_shard
 from protocols.config import RunConfig
+from protocols.training_batch import TrainingBatch
 from protocols.trajectory import TrajectoryGroup
 
 
@@ -54,15 +56,16 @@ class ReferenceWorker:
         """The run's config with the reference's own forward budget in the learner's place: score_shard plans
         micro-batches from learner.*."""
 
-    def score_samples(self, samples: dict) -> list[list[float]]:
-        """Reference log-probs of each response token for per-sample lists `prompt_ids` and `response_ids`."""
+    def score_batch(self, batch: TrainingBatch) -> list[list[float]]:
+        """Reference log-probs of each response token the engine sampled (0 on others), per sample."""
         start = time.perf_counter()
-        plan = plan_micro_batches(samples, self.scoring_cfg, None)
-        out = score_shard(self.model, samples, self.scoring_cfg, None, self.pad_id, self.device, plan)
-        self._count(micro_batches=len(plan), samples=len(out),
-                    tokens=sum(len(p) + len(r) for p, r in zip(samples["prompt_ids"], samples["response_ids"])),
+        lcfg = self.scoring_cfg.learner
+        plan = plan_one_shard(batch, self.scoring_cfg)
+        out = score_shard(self.model, batch, plan, self.cfg.rollout.temperature, lcfg.logits_chunk_tokens,
+                          lcfg.packing, self.pad_id, self.device)
+        self._count(micro_batches=len(plan), samples=batch.num_samples, tokens=sum(batch.sample_tokens()),
                     seconds=time.perf_counter() - start)
-        return out
+        return batch.per_sample_rows(out)
 
     def _count(self, **amounts: float) -> None:
         for name, amount in amounts.items():
@@ -73,8 +76,7 @@ class ReferenceWorker:
         """Reference log-probs of every trajectory of `group`, in order (TrajectoryGroup.with_ref_logprobs
         attaches them). Returns lists, not the group: only the new numbers travel back."""
         self._count(groups=1)
-        return self.score_samples({"prompt_ids": [t.prompt.prompt_token_ids for t in group.trajectories],
-                                   "response_ids": [t.response_token_ids for t in group.trajectories]})
+        return self.score_batch(TrainingBatch.from_trajectories(group.trajectories))
 
     def stats(self) -> dict[str, float]:
         """COUNTERS since start."""

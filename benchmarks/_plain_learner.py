@@ -20,7 +20,7 @@ def _chunked_scores(model, batch, temperature: float, chunk_tokens: int):
 
     # Same rows as learner.batch.response_logits: responses start at one column P (left-padded prompts), and
     # response token j is predicted by the output at P + j - 1, i.e. the last T + 1 positions minus the final one.
-    width_t = batch.loss_mask.size(1)
+    width_t = batch.score_mask.size(1)
     hidden = model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                          position_ids=batch.position_ids).last_hidden_state
     h = hidden[:, -(width_t + 1):-1]

@@ -20,14 +20,13 @@ from cluster import checkpoint
 from cluster.learner_failure import dead_ranks
 from cluster.learner_group import rendezvous_address
 from cluster.placement import Placement
-from learner.batch import pad_per_token
 from learner.micro_batches import sample_count_micro_batches
 from learner.objective import gae_targets
 from learner.value_loss import finalize_value_metrics
 from protocols.algorithm import AlgorithmConfig
 from protocols.config import RunConfig
 from protocols.metrics import combine_metrics
-from protocols.trajectory import Trajectory
+from protocols.training_batch import TrainingBatch
 
 log = logging.getLogger(__name__)
 
@@ -79,25 +78,17 @@ def check_critic_model(policy_path: str, critic_path: str, trust_remote_code: bo
             "folder built on the same tokenizer, or leave critic.model_path empty to start from the policy")
 
 
-def stamped_values(trajectories: list[Trajectory], width: int) -> torch.Tensor:
-    """(N, width) values the critic stamped in the stream, zero-padded. Raises naming the group when a
-    trajectory reached the driver without values (every group must pass through a critic worker)."""
-    for t in trajectories:
-        if t.values is None or len(t.values) != len(t.response_token_ids):
-            got = "no values" if t.values is None else f"{len(t.values)} values for {len(t.response_token_ids)} tokens"
-            raise RuntimeError(
-                f"group {t.group_id} sample {t.sample_index} reached the learner with {got}: with critic.num_workers > 0 every scored group must pass through a critic worker "
-                f"(RolloutWorker critic_workers)")
-    return pad_per_token([t.values for t in trajectories], width)
-
-
-def critic_targets(trajectories: list[Trajectory], rewards: torch.Tensor, loss_mask: torch.Tensor,
-                   cfg: AlgorithmConfig, kl: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values (N, T) as stamped, GAE returns (N, T)) for the driver: the values go to compute_advantages, the
-    returns (with the values as the old values of the clipped loss) to CriticGroup.start_train."""
-    values = stamped_values(trajectories, loss_mask.shape[1])
-    _, returns = gae_targets(rewards, loss_mask, cfg, kl=kl, values=values)
-    return values, returns
+def critic_returns(batch: TrainingBatch, rewards: torch.Tensor, cfg: AlgorithmConfig,
+                   kl: torch.Tensor | None) -> torch.Tensor:
+    """(B, T) GAE returns over the batch's loss tokens from the values the critic stamped in the stream: the
+    critic's regression targets (the values themselves are the clipped loss's old values and GAE's baseline).
+    Raises when the batch has no values (every group must pass through a critic worker)."""
+    if batch.values is None:
+        raise RuntimeError(
+            "a batch reached the learner without critic values: with critic.num_workers > 0 every scored group "
+            "must pass through a critic worker (RolloutWorker critic_workers)")
+    _, returns = gae_targets(rewards, batch.loss_mask, cfg, kl=kl, values=batch.values)
+    return returns
 
 
 def critic_options(cfg: RunConfig, placement: Placement | None, index: int) -> dict:
@@ -213,28 +204,24 @@ class CriticGroup:
         """The actor handles, for the rollout workers' `add_values` calls."""
         return list(self.ranks)
 
-    def _shards(self, samples: dict[str, list]) -> tuple[list[list[int]], int]:
+    def _shards(self, num_samples: int) -> tuple[list[list[int]], int]:
         """Round-robin sample indices per rank (equal counts within one) and the micro-batch count every rank runs."""
         n = len(self.ranks)
-        num = len(samples["prompt_ids"])
-        parts = [list(range(r, num, n)) for r in range(n)]
+        parts = [list(range(r, num_samples, n)) for r in range(n)]
         count = max(1, max(len(sample_count_micro_batches(len(p), self.cfg.critic.micro_batch_size)) for p in parts))
         return parts, count
 
-    def start_train(self, samples: dict[str, list], returns: list[list[float]], old_values: list[list[float]]):
-        """Launch one critic update (returns at once; `finish` waits). samples: prompt_ids, response_ids,
-        sample_mask; returns and old_values: per-token lists. Returns what `finish` needs."""
-        parts, count = self._shards(samples)
-        num_tokens = float(sum(len(r) for r, keep in zip(samples["response_ids"], samples["sample_mask"]) if keep))
-        flat = [x for r, rv, keep in zip(samples["response_ids"], returns, samples["sample_mask"]) if keep
-                for x in rv[: len(r)]]
-        mean = sum(flat) / max(len(flat), 1)
-        returns_var = sum((x - mean) ** 2 for x in flat) / max(len(flat), 1)
+    def start_train(self, batch: TrainingBatch):
+        """Launch one critic update on the batch's returns, with its values as the old values (returns at once;
+        `finish` waits). Returns what `finish` needs."""
+        parts, count = self._shards(batch.num_samples)
+        mask = batch.loss_mask
+        num_tokens = float(mask.sum())
+        flat = batch.returns[mask]
+        returns_var = float(flat.var(unbiased=False)) if flat.numel() else 0.0
         if num_tokens == 0:  # nothing to fit (every sample masked): no update, the version stays
             return [], returns_var
-        full = {**samples, "returns": returns, "old_values": old_values}
-        keys = ("prompt_ids", "response_ids", "sample_mask", "returns", "old_values")
-        refs = [rank.train_step.remote({k: [full[k][i] for i in idx] for k in keys}, num_tokens, count)
+        refs = [rank.train_step.remote(batch.select(idx), num_tokens, count)
                 for rank, idx in zip(self.ranks, parts)]
         return refs, returns_var
 
@@ -274,19 +261,16 @@ class CriticGroup:
         self.version = int(summed.get("critic/version", self.version))
         return finalize_value_metrics(summed, returns_var)
 
-    def train_step(self, samples: dict[str, list], returns: list[list[float]],
-                   old_values: list[list[float]]) -> dict[str, float]:
-        return self.finish(self.start_train(samples, returns, old_values))
+    def train_step(self, batch: TrainingBatch) -> dict[str, float]:
+        return self.finish(self.start_train(batch))
 
-    def values(self, samples: dict[str, list]) -> tuple[list[list[float]], int]:
-        """(per-token values of every sample, critic version), spread over the ranks."""
-        parts, _ = self._shards(samples)
-        results = ray.get([rank.values.remote({k: [samples[k][i] for i in idx] for k in ("prompt_ids", "response_ids")})
-                           for rank, idx in zip(self.ranks, parts) if idx])
-        out: list = [None] * len(samples["prompt_ids"])
+    def values(self, batch: TrainingBatch) -> tuple[torch.Tensor, int]:
+        """((B, T) values of every response token, critic version), spread over the ranks."""
+        parts, _ = self._shards(batch.num_samples)
+        results = ray.get([rank.values.remote(batch.select(idx)) for rank, idx in zip(self.ranks, parts) if idx])
+        out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
         for idx, (rows, _) in zip([p for p in parts if p], results):
-            for i, row in zip(idx, rows):
-                out[i] = row
+            out[torch.tensor(idx), : rows.shape[1]] = rows
         return out, min(version for _, version in results)
 
     def save_state(self, folder: str) -> int:

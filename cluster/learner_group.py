@@ -1,8 +1,8 @@
 """The learner group: N DeepSpeed ranks as Ray actors, driven together.
 
-Every call fans out to all ranks at once (DeepSpeed collectives need every rank), with the global batch split
-into shards of about equal token counts (learner/micro_batches.py) and every rank told the same number of
-micro-batches. Rank 0 returns what only it holds (published weights, the saved model). With
+Every call fans out to all ranks at once (DeepSpeed collectives need every rank), with the TrainingBatch split
+by one plan (learner/batch_plan.py) into shards of about equal token counts and their micro-batches, the same
+number on every rank. Rank 0 returns what only it holds (published weights, the saved model). With
 learner.sequence_parallel_size = sp > 1 the batch is split over the num_ranks / sp data-parallel groups: ranks
 r of one group (r // sp equal) get the same shard, and scores come back from the group's first rank.
 """
@@ -11,13 +11,15 @@ import socket
 
 import ray
 
+import torch
+
+from learner.batch_plan import BatchPlan, plan_batch
 from learner.learner_actor import LearnerRank
-from learner.rank_setup import plan_micro_batches, sample_tokens
-from learner.micro_batches import plan_ranks
-from learner.objective import LossNormalizer, combine_metrics, finalize_metrics, needs_proximal_logprobs
-from learner.update_plan import check_batch_normalizer, combine_updates, mini_batch_order, sample_normalizer
+from learner.objective import LossNormalizer, combine_metrics, count_normalizer, finalize_metrics, needs_proximal_logprobs
+from learner.update_plan import combine_updates, mini_batch_order
 from learner.weight_backends import weight_backend
 from protocols.config import RunConfig
+from protocols.training_batch import TrainingBatch
 from cluster.learner_failure import gather_ranks
 from cluster.placement import Placement, create_placement
 from cluster.ray_setup import learner_options
@@ -34,23 +36,12 @@ def rendezvous_address(_rank0, all_on_one_node: bool) -> tuple[str, int]:
     return ("127.0.0.1" if all_on_one_node else ray.util.get_node_ip_address()), port
 
 
-def balanced_shards(samples: dict[str, list], cfg: RunConfig, num_ranks: int) -> tuple[list[list[int]], list[dict], int]:
-    """(sample indices per data-parallel group, the per-group shards, the micro-batch count every rank runs).
-    A group is sequence_parallel_size ranks (one rank without SP). Groups get about equal token loads; with
-    sample-count micro-batches they also get equal sample counts."""
-    num_groups = num_ranks // cfg.learner.sequence_parallel_size
-    parts = plan_ranks(sample_tokens(samples), num_groups, cfg.learner.max_tokens_per_micro_batch)
-    shards = [{k: [v[i] for i in idx] for k, v in samples.items()} for idx in parts]
-    count = max(len(plan_micro_batches(shard, cfg, None)) for shard in shards)
-    return parts, shards, count
-
-
-def merge_rows(parts: list[list[int]], results: list[list]) -> list:
-    """Per-rank result rows back in the global batch's order."""
-    out: list = [None] * sum(len(p) for p in parts)
-    for idx, rows in zip(parts, results):
-        for i, row in zip(idx, rows):
-            out[i] = row
+def merge_rows(batch: TrainingBatch, plan: BatchPlan, results: list[torch.Tensor]) -> torch.Tensor:
+    """(B, T) of the whole batch from each group's (B_g, T_g) result, in the plan's sample order."""
+    out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
+    for idx, rows in zip(plan.shards, results):
+        if idx:
+            out[torch.tensor(idx), : rows.shape[1]] = rows
     return out
 
 
@@ -75,41 +66,40 @@ class LearnerGroup:
         """Results of one call per rank; a dead rank raises LearnerRankLost naming it (cluster/learner_failure.py)."""
         return gather_ranks(refs, self.ranks, self.placement, what, self.cfg.fault.learner_timeout_s)
 
-    def _group_shards(self, shards: list[dict]) -> list[tuple]:
-        """(rank, its shard) pairs: rank r gets its data-parallel group's shard r // sequence_parallel_size."""
+    def _fan_out(self, method: str, batch: TrainingBatch, *args) -> tuple[BatchPlan, list]:
+        """Plan `batch` over the data-parallel groups once and call `method(shard, *args, plan=micro-batches)` on
+        every rank: rank r gets its group's shard r // sequence_parallel_size (its SP ranks share it). Returns the
+        plan and the refs, one per rank."""
         sp = self.cfg.learner.sequence_parallel_size
-        return [(rank, shards[r // sp]) for r, rank in enumerate(self.ranks)]
+        plan = plan_batch(batch, self.cfg, len(self.ranks) // sp)
+        shards = [batch.select(idx) for idx in plan.shards]
+        refs = [getattr(rank, method).remote(shards[r // sp], *args, plan=plan.micro_batches[r // sp])
+                for r, rank in enumerate(self.ranks)]
+        return plan, refs
 
-    def _first_of_groups(self, results: list) -> list:
-        """One result per data-parallel group (its SP ranks return the same rows)."""
-        return results[:: self.cfg.learner.sequence_parallel_size]
-
-    def train_step(self, samples: dict[str, list], normalizer: LossNormalizer) -> dict[str, float]:
+    def train_step(self, batch: TrainingBatch, normalizer: LossNormalizer) -> dict[str, float]:
         """Train on one global batch: learner.ppo_epochs passes of learner.mini_batches_per_step optimizer steps
         each (learner/update_plan.py), one step with the defaults. `normalizer` counts the whole batch's loss
-        tokens (count_normalizer); with several updates each mini-batch's own counts are taken from its samples.
-        In decoupled mode with several updates the proximal log-probs are scored once, before the first update,
-        so later updates clip against the policy the batch started from. Returns summed metrics for
+        tokens (count_normalizer of batch.loss_mask); each mini-batch's own is counted from its loss_mask. In
+        decoupled mode with several updates the proximal log-probs are scored once, before the first update, so
+        later updates clip against the policy the batch started from. Returns summed metrics for
         finalize_metrics, with learner/clip_frac_epoch<e> and learner/optimizer_steps."""
         lcfg = self.cfg.learner
-        plan = mini_batch_order(len(samples["prompt_ids"]), lcfg.ppo_epochs, lcfg.mini_batches_per_step,
-                                (self.cfg.train.seed, self.batches_trained))
+        order = mini_batch_order(batch.num_samples, lcfg.ppo_epochs, lcfg.mini_batches_per_step,
+                                 (self.cfg.train.seed, self.batches_trained))
         self.batches_trained += 1
         per_update = []
-        if len(plan) * len(plan[0]) == 1:
+        if len(order) * len(order[0]) == 1:
             # One update: its own forward pass gives the proximal log-probs (the weights before the update).
-            per_update.append((0, self._update(samples, normalizer)))
+            per_update.append((0, self._update(batch, normalizer)))
         else:
-            lengths = [len(r) for r in samples["response_ids"]]
-            check_batch_normalizer(normalizer, lengths, samples["sample_mask"])
             if needs_proximal_logprobs(self.cfg.algorithm):
-                samples = {**samples, "proximal_logprobs": self.policy_logprobs(samples)}
-            for epoch, mini_batches in enumerate(plan):
+                batch = batch.with_fields(proximal_logprobs=self.policy_logprobs(batch))
+            for epoch, mini_batches in enumerate(order):
                 for idx in mini_batches:
-                    part = {k: [v[i] for i in idx] for k, v in samples.items()}
-                    part_normalizer = sample_normalizer(lengths, samples["sample_mask"], idx,
-                                                        normalizer.max_response_tokens)
-                    per_update.append((epoch, self._update(part, part_normalizer)))
+                    part = batch.select(idx)
+                    per_update.append((epoch, self._update(part, count_normalizer(
+                        part.loss_mask, normalizer.max_response_tokens))))
         # Each update's own means (clip fraction of the first mini-batch, ...), for a closer look than the epochs.
         self.last_update_metrics = [finalize_metrics(m) for _, m in per_update]
         summed = combine_updates(per_update, lcfg.ppo_epochs)
@@ -119,23 +109,25 @@ class LearnerGroup:
                                                   / max(summed["learner/processed_tokens"], 1.0))
         return summed
 
-    def _update(self, samples: dict[str, list], normalizer: LossNormalizer) -> dict[str, float]:
-        """One optimizer step on `samples` (a batch or a mini-batch), split over the ranks; summed metrics."""
-        _, shards, count = balanced_shards(samples, self.cfg, len(self.ranks))
+    def _update(self, batch: TrainingBatch, normalizer: LossNormalizer) -> dict[str, float]:
+        """One optimizer step on `batch` (a batch or a mini-batch), split over the ranks; summed metrics."""
+        _, refs = self._fan_out("train_step", batch, normalizer)
         # Per-token metrics add up over SP slices; the ranks count per-sample ones on SP rank 0 only.
-        results = self._gather([rank.train_step.remote(s, normalizer, count)
-                                for rank, s in self._group_shards(shards)], "a training step")
-        return combine_metrics(results)
+        return combine_metrics(self._gather(refs, "a training step"))
 
-    def ref_logprobs(self, samples: dict[str, list]) -> list[list[float]]:
-        parts, shards, count = balanced_shards(samples, self.cfg, len(self.ranks))
-        return merge_rows(parts, self._first_of_groups(
-            ray.get([rank.ref_logprobs.remote(s, count) for rank, s in self._group_shards(shards)])))
+    def _score(self, method: str, batch: TrainingBatch) -> torch.Tensor:
+        plan, refs = self._fan_out(method, batch)
+        # one result per data-parallel group: its SP ranks return the same rows
+        results = self._gather(refs, "a scoring pass")[:: self.cfg.learner.sequence_parallel_size]
+        return merge_rows(batch, plan, results)
 
-    def policy_logprobs(self, samples: dict[str, list]) -> list[list[float]]:
-        parts, shards, count = balanced_shards(samples, self.cfg, len(self.ranks))
-        return merge_rows(parts, self._first_of_groups(
-            ray.get([rank.policy_logprobs.remote(s, count) for rank, s in self._group_shards(shards)])))
+    def ref_logprobs(self, batch: TrainingBatch) -> torch.Tensor:
+        """(B, T) reference log-probs of the batch's loss tokens, from the ranks' own reference model."""
+        return self._score("ref_logprobs", batch)
+
+    def policy_logprobs(self, batch: TrainingBatch) -> torch.Tensor:
+        """(B, T) current-policy log-probs of the batch's loss tokens."""
+        return self._score("policy_logprobs", batch)
 
     def publish_weights(self, version: int = 0) -> dict:
         return self._gather([rank.publish_weights.remote(version) for rank in self.ranks], "a weight publish")[0]

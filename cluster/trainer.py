@@ -20,14 +20,14 @@ from actors.reference_worker import ReferenceWorker
 from actors.reward_worker import RewardWorker
 from actors.rollout_worker import RolloutWorker
 from cluster import checkpoint
-from cluster.critic_group import CriticGroup, check_critic_model, critic_model_path, critic_targets
+from cluster.critic_group import CriticGroup, check_critic_model, critic_model_path, critic_returns
 from cluster.evaluation import evaluate, evaluate_sets, load_eval_sets
 from cluster.learner_group import LearnerGroup
 from cluster.model_folder import fit_lengths_to_model, resolve_model_path
 from cluster.placement import create_placement, precheck_embedded
 from cluster.plots import plot_after_run
 from cluster.ray_setup import reference_options, reward_options, rollout_options, start_ray
-from cluster.reference_stream import reward_kl, streamed_ref_logprobs
+from cluster.reference_stream import check_streamed_ref_logprobs, reward_kl
 from cluster.run_folder import RunFolder
 from cluster.shared_folder import check_run_folder_shared
 from cluster.supervisor import Supervisor
@@ -37,24 +37,16 @@ from learner.objective import (
     count_normalizer,
     finalize_metrics,
     kl_in_reward,
+    needs_ref_logprobs,
 )
 from protocols.config import RunConfig, dump_config
 from protocols.metrics import reference_worker_metrics, reward_worker_metrics, rollout_metrics
+from protocols.training_batch import TrainingBatch
 from protocols.trajectory import Trajectory, TrajectoryGroup, WeightVersion
 from rewards.datasets import load_prompts
 from rewards.registry import resolve_verifier
 
 log = logging.getLogger(__name__)
-
-
-def batch_tensors(trajectories: list[Trajectory], cfg: RunConfig) -> dict:
-    """Per-sample lists for the learner plus the global-batch tensors the driver needs for advantages."""
-    lengths = torch.tensor([len(t.response_token_ids) for t in trajectories])
-    width = max(1, int(lengths.max()))
-    loss_mask = torch.arange(width)[None, :] < lengths[:, None]
-    truncated = torch.tensor([t.finish_reason == "length" for t in trajectories])
-    rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
-    return {"lengths": lengths, "loss_mask": loss_mask, "truncated": truncated, "rewards": rewards, "width": width}
 
 
 def staleness_metrics(trajectories: list[Trajectory], version: int) -> dict[str, float]:
@@ -162,36 +154,27 @@ class Trainer:
         self.trained_group_ids.extend(g.group_id for g in groups)
         if any(t.min_version < self.version - cfg.train.max_staleness for t in trajectories):
             raise RuntimeError("the queue returned a sample older than train.max_staleness allows")
-        bt = batch_tensors(trajectories, cfg)
-        rewards, sample_mask = apply_reward_shaping(bt["rewards"], bt["lengths"], bt["truncated"], cfg.algorithm,
-                                                    cfg.rollout.max_response_tokens)
-        loss_mask = bt["loss_mask"] & sample_mask[:, None]
-        samples = {
-            "prompt_ids": [t.prompt.prompt_token_ids for t in trajectories],
-            "response_ids": [t.response_token_ids for t in trajectories],
-            "behavior_logprobs": [t.behavior_logprobs for t in trajectories],
-            "sample_mask": sample_mask.tolist(),
-        }
-        if self.reference_workers:  # streamed with the trajectories; the learner ranks read them for the KL
-            samples["ref_logprobs"] = streamed_ref_logprobs(trajectories)
-        kl = None
-        if kl_in_reward(cfg.algorithm):
-            ref = samples["ref_logprobs"] if self.reference_workers else self.learner.ref_logprobs(samples)
-            kl = reward_kl(samples["behavior_logprobs"], ref, loss_mask, cfg.algorithm)
-        values = returns = None
+        batch = TrainingBatch.from_trajectories(trajectories)
+        rewards, sample_mask = apply_reward_shaping(batch.rewards, batch.response_lengths, batch.truncated,
+                                                    cfg.algorithm, cfg.rollout.max_response_tokens)
+        batch = batch.with_sample_mask(sample_mask)
+        if self.reference_workers:  # streamed with the trajectories: a missing one is a bug, named
+            check_streamed_ref_logprobs(trajectories)
+        elif needs_ref_logprobs(cfg.algorithm) and (kl_in_reward(cfg.algorithm) or cfg.learner.ppo_epochs > 1
+                                                    or cfg.learner.mini_batches_per_step > 1):
+            # scored once per step: the KL in the reward and every update of the batch read these
+            batch = batch.with_fields(ref_logprobs=self.learner.ref_logprobs(batch))
+        kl = reward_kl(batch, cfg.algorithm) if kl_in_reward(cfg.algorithm) else None
         if self.critic is not None:  # PPO: GAE over the values stamped in the stream; the returns train the critic
-            values, returns = critic_targets(trajectories, rewards, loss_mask, cfg.algorithm, kl)
-        advantages = compute_advantages(rewards, loss_mask, cfg.rollout.samples_per_prompt, cfg.algorithm, kl=kl,
-                                        values=values)
-        samples["advantages"] = [row[: len(r)].tolist() for row, r in zip(advantages, samples["response_ids"])]
-        normalizer = count_normalizer(loss_mask, cfg.rollout.max_response_tokens)
+            batch = batch.with_fields(returns=critic_returns(batch, rewards, cfg.algorithm, kl))
+        batch = batch.with_fields(advantages=compute_advantages(
+            rewards, batch.loss_mask, cfg.rollout.samples_per_prompt, cfg.algorithm, kl=kl, values=batch.values))
+        normalizer = count_normalizer(batch.loss_mask, cfg.rollout.max_response_tokens)
         t0 = time.perf_counter()
         critic_update, critic_metrics = None, {}
         if self.critic is not None:  # the critic's update runs while the policy's does
-            critic_update = self.critic.start_train(
-                samples, [row[: len(r)].tolist() for row, r in zip(returns, samples["response_ids"])],
-                [t.values for t in trajectories])
-        summed = self.learner.train_step(samples, normalizer)
+            critic_update = self.critic.start_train(batch)
+        summed = self.learner.train_step(batch, normalizer)
         if critic_update is not None:
             critic_metrics = self.critic.finish(critic_update)
             critic_metrics["critic/staleness_max"] = float(self.version - min(t.critic_version for t in trajectories))
@@ -205,19 +188,19 @@ class Trainer:
         ray.get(self.controller.publish.remote(weights, published["refs"]))
         publish_s = time.perf_counter() - t0
         correct = [bool(t.result and t.result.correct) for t in trajectories]
-        num_tokens = int(bt["lengths"].sum())
+        num_tokens = int(batch.response_lengths.sum())
         errors = Counter(t.result.error for t in trajectories if t.result and t.result.error)
         return {
             **{f"reward/error_{kind}": count for kind, count in errors.items()},
             **finalize_metrics(summed),
             **critic_metrics,
             **staleness_metrics(trajectories, self.version - 1),
-            "reward/mean": float(bt["rewards"].mean()),
+            "reward/mean": float(batch.rewards.mean()),
             "reward/shaped_mean": float(rewards.mean()),
             "reward/accuracy": sum(correct) / len(correct),
             "reward/error_frac": sum(bool(t.result and t.result.error) for t in trajectories) / len(trajectories),
             "response/length_mean": num_tokens / len(trajectories),
-            "response/truncated_frac": float(bt["truncated"].float().mean()),
+            "response/truncated_frac": float(batch.truncated.float().mean()),
             "time/learner_s": learner_s,
             "time/publish_s": publish_s,
             "learner/tokens_per_s": num_tokens / max(learner_s, 1e-9),

@@ -14,6 +14,7 @@ import torch
 
 from learner.kl import entropy_from_logits
 from learner.logprobs import chunked_logprobs_entropy
+from protocols.training_batch import TrainingBatch
 
 
 @dataclass
@@ -25,8 +26,10 @@ class SampleBatch:
     """(R, L) 1 on real tokens; None for a packed row (the positions tell the samples apart)."""
     position_ids: torch.Tensor
     """(R, L) positions counted from each prompt's first token, as vLLM counts them."""
-    loss_mask: torch.Tensor
-    """(B, T) bool: True on real response tokens."""
+    score_mask: torch.Tensor
+    """(B, T) bool: the response tokens the model scores, every one (model and tool tokens alike), so that a
+    micro-batch with nothing to train still runs its forward and backward through the model; the loss then keeps
+    only the TrainingBatch's loss_mask."""
     response_ids: torch.Tensor
     """(B, T) response token ids (pad where masked)."""
     score_index: torch.Tensor
@@ -41,47 +44,47 @@ class SampleBatch:
         return int(self.input_ids.numel())
 
 
-def collate(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int) -> SampleBatch:
-    batch = len(prompt_ids)
-    width_p = max(len(p) for p in prompt_ids)
-    width_t = max(1, max(len(r) for r in response_ids))
-    input_ids = torch.full((batch, width_p + width_t), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((batch, width_p + width_t), dtype=torch.long)
-    loss_mask = torch.zeros((batch, width_t), dtype=torch.bool)
-    resp = torch.full((batch, width_t), pad_id, dtype=torch.long)
-    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+def collate(batch: TrainingBatch, pad_id: int) -> SampleBatch:
+    """Padded rows [left padding, prompt, response, right padding] of a micro-batch; every response starts at
+    the same column P. Every response token is scored (`score_mask`); which of them train is the batch's
+    `loss_mask`, applied by the loss."""
+    n = batch.num_samples
+    width_p = max(len(p) for p in batch.prompt_ids)
+    width_t = batch.width
+    lengths = batch.response_lengths.tolist()
+    input_ids = torch.full((n, width_p + width_t), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, width_p + width_t), dtype=torch.long)
+    for i, (p, length) in enumerate(zip(batch.prompt_ids, lengths)):
         start = width_p - len(p)
-        input_ids[i, start: width_p + len(r)] = torch.tensor(p + r, dtype=torch.long)
-        attention_mask[i, start: width_p + len(r)] = 1
-        loss_mask[i, : len(r)] = True
-        resp[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        input_ids[i, start: width_p] = torch.tensor(p, dtype=torch.long)
+        input_ids[i, width_p: width_p + length] = batch.response_ids[i, :length]
+        attention_mask[i, start: width_p + length] = 1
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    score_mask = batch.token_mask
     # The last T + 1 outputs are kept; response token j of row b is predicted by kept output j.
-    score_index = torch.arange(batch)[:, None] * (width_t + 1) + torch.arange(width_t)[None, :]
-    score_index = torch.where(loss_mask, score_index, 0)
-    return SampleBatch(input_ids, attention_mask, position_ids, loss_mask, resp, score_index, width_t + 1)
+    score_index = torch.arange(n)[:, None] * (width_t + 1) + torch.arange(width_t)[None, :]
+    score_index = torch.where(score_mask, score_index, 0)
+    return SampleBatch(input_ids, attention_mask, position_ids, score_mask, batch.response_ids.clone(), score_index,
+                       width_t + 1)
 
 
-def collate_packed(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int) -> SampleBatch:
+def collate_packed(batch: TrainingBatch, pad_id: int) -> SampleBatch:
     """All samples in one row (1, sum of lengths), positions restarting per sample, no padding at all."""
-    batch = len(prompt_ids)
-    width_t = max(1, max(len(r) for r in response_ids))
     ids, positions = [], []
-    loss_mask = torch.zeros((batch, width_t), dtype=torch.bool)
-    resp = torch.full((batch, width_t), pad_id, dtype=torch.long)
-    score_index = torch.zeros((batch, width_t), dtype=torch.long)
+    width_t = batch.width
+    score_index = torch.zeros((batch.num_samples, width_t), dtype=torch.long)
     offset = 0
-    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
-        ids.extend(p + r)
-        positions.extend(range(len(p) + len(r)))
-        loss_mask[i, : len(r)] = True
-        resp[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    for i, (p, length) in enumerate(zip(batch.prompt_ids, batch.response_lengths.tolist())):
+        ids.extend(p + batch.response_ids[i, :length].tolist())
+        positions.extend(range(len(p) + length))
         # response token j sits at offset + len(p) + j and is predicted by the output one position earlier
-        score_index[i, : len(r)] = offset + len(p) - 1 + torch.arange(len(r))
-        offset += len(p) + len(r)
+        score_index[i, :length] = offset + len(p) - 1 + torch.arange(length)
+        offset += len(p) + length
+    score_mask = batch.token_mask
+    score_index = torch.where(score_mask, score_index, 0)
     input_ids = torch.tensor([ids], dtype=torch.long)
     position_ids = torch.tensor([positions], dtype=torch.long)
-    return SampleBatch(input_ids, None, position_ids, loss_mask, resp, score_index, 0)
+    return SampleBatch(input_ids, None, position_ids, score_mask, batch.response_ids.clone(), score_index, 0)
 
 
 def pad_per_token(values: list[list[float]], width: int) -> torch.Tensor:
@@ -98,7 +101,7 @@ def response_logits(model: torch.nn.Module, batch: SampleBatch, temperature: flo
     Response token j sits at column P + j and is predicted by the output at P + j - 1, so the last T + 1 output
     positions are computed and the final one dropped.
     """
-    width_t = batch.loss_mask.size(1)
+    width_t = batch.score_mask.size(1)
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
                 logits_to_keep=width_t + 1, use_cache=False)
     logits = out.logits[:, :width_t].float()
@@ -138,9 +141,9 @@ def _scoring_head(model: torch.nn.Module, flat_index: torch.Tensor, targets: tor
 def score_responses(model: torch.nn.Module, batch: SampleBatch, temperature: float,
                     chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs (B, T), entropy (B, T)) fp32 of each response token under `model` at `temperature`, 0 where
-    loss_mask is False; both carry grad when the model does. chunk_tokens > 0 scores through the LM head in
+    score_mask is False; both carry grad when the model does. chunk_tokens > 0 scores through the LM head in
     chunks of that many positions (no (B, T, V) tensor); 0 materializes the logits (the original path)."""
-    mask = batch.loss_mask
+    mask = batch.score_mask
     flat = batch.score_index[mask]
     targets = batch.response_ids[mask]
     fwd = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,

@@ -11,13 +11,14 @@ from pathlib import Path
 
 import torch
 
-from learner.batch import collate, pad_per_token
+from learner.batch import collate
 from learner.lr_schedule import warmup_factor
 from learner.micro_batches import sample_count_micro_batches
 from learner.rank_setup import DTYPES, DeepSpeedRank, deepspeed_config
 from learner.value_loss import clipped_value_loss
 from learner.value_model import ValueModel, response_values
 from protocols.config import RunConfig
+from protocols.training_batch import TrainingBatch
 
 HEAD_FILE = "value_head.pt"
 """The value head's state dict inside a saved critic folder (the body is a Hugging Face model beside it)."""
@@ -65,41 +66,39 @@ class CriticRank(DeepSpeedRank):
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=ds_config)
         return self.rank
 
-    def _batch(self, shard: dict, idx: list[int]):
-        """Padded micro-batch of samples `idx`; an empty list (a padding micro-batch, so every rank runs the same
-        number of collectives) gets sample 0, which the caller masks out."""
-        rows = idx or [0]
-        batch = collate([shard["prompt_ids"][i] for i in rows], [shard["response_ids"][i] for i in rows], self.pad_id)
+    def _batch(self, shard: TrainingBatch, idx: list[int]):
+        """(padded model inputs, the micro-batch's TrainingBatch), both on the rank's device, for samples `idx`;
+        an empty list (a padding micro-batch, so every rank runs the same number of collectives) gets sample 0
+        with nothing to train on."""
+        part = shard.select(idx) if idx else shard.select([0]).masked()
+        batch = collate(part, self.pad_id)
         dev = self._device()
         for name, value in vars(batch).items():
             if torch.is_tensor(value):
                 setattr(batch, name, value.to(dev))
-        return batch, rows
+        return batch, part.to(dev)
 
     @torch.no_grad()
-    def values(self, shard: dict) -> tuple[list[list[float]], int]:
-        """(per-token values of each sample's response, this critic's version). shard: prompt_ids,
-        response_ids lists. No collective: any rank answers alone."""
+    def values(self, shard: TrainingBatch) -> tuple[torch.Tensor, int]:
+        """((B, T) values of every response token, this critic's version). No collective: any rank answers alone."""
         module = self.engine.module
         module.eval()
-        out: list[list[float]] = []
-        for idx in sample_count_micro_batches(len(shard["prompt_ids"]), self.cfg.critic.micro_batch_size):
-            batch, _ = self._batch(shard, idx)
-            vals = response_values(module, batch).cpu()
-            out.extend(row[: len(shard["response_ids"][i])].tolist() for row, i in zip(vals, idx))
+        out = torch.zeros(shard.response_ids.shape, dtype=torch.float32)
+        for idx in sample_count_micro_batches(shard.num_samples, self.cfg.critic.micro_batch_size):
+            batch, part = self._batch(shard, idx)
+            out[torch.tensor(idx), : part.width] = response_values(module, batch).float().cpu()
         return out, self.version
 
-    def train_step(self, shard: dict, num_tokens: float, num_micro_batches: int) -> dict[str, float]:
-        """One critic update on this rank's shard: prompt_ids, response_ids, returns and old_values (per token),
-        sample_mask. num_tokens: loss tokens of the whole global batch (the normalizer); num_micro_batches: the
-        count every rank runs (the driver's). Returns summed metrics (learner/value_loss.finalize_value_metrics)."""
+    def train_step(self, shard: TrainingBatch, num_tokens: float, num_micro_batches: int) -> dict[str, float]:
+        """One critic update on this rank's shard of the batch (returns the targets, values the old values, on
+        its loss tokens). num_tokens: loss tokens of the whole global batch (the normalizer); num_micro_batches:
+        the count every rank runs (the driver's). Returns summed metrics (learner/value_loss.finalize_value_metrics)."""
         c = self.cfg.critic
         start = time.perf_counter()
-        dev = self._device()
         lr = warmup_lr(c.lr, c.warmup_steps, self.version)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        plan = sample_count_micro_batches(len(shard["prompt_ids"]), c.micro_batch_size)
+        plan = sample_count_micro_batches(shard.num_samples, c.micro_batch_size)
         if len(plan) > num_micro_batches:
             raise ValueError(f"critic rank {self.rank} needs {len(plan)} micro-batches but was told "
                              f"{num_micro_batches}: the driver's count must be the largest any rank needs")
@@ -108,14 +107,10 @@ class CriticRank(DeepSpeedRank):
         self.engine.train()
         summed: dict[str, float] = {}
         for k, idx in enumerate(plan):
-            batch, rows = self._batch(shard, idx)
-            width = batch.loss_mask.size(1)
-            keep = torch.tensor([bool(idx) and bool(shard["sample_mask"][i]) for i in rows], device=dev)
-            mask = batch.loss_mask & keep[:, None]
+            batch, part = self._batch(shard, idx)
             values = response_values(self.engine, batch)
-            returns = pad_per_token([shard["returns"][i] for i in rows], width).to(dev)
-            old = pad_per_token([shard["old_values"][i] for i in rows], width).to(dev)
-            loss, metrics = clipped_value_loss(values, old, returns, mask, c.value_clip, num_tokens)
+            loss, metrics = clipped_value_loss(values, part.values, part.returns, part.loss_mask, c.value_clip,
+                                               num_tokens)
             self.engine.set_gradient_accumulation_boundary(k == len(plan) - 1)
             # DeepSpeed averages gradients over ranks; the loss is this micro-batch's share of the global mean.
             self.engine.backward(loss * self.world_size, scale_wrt_gas=False)

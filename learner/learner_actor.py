@@ -1,13 +1,12 @@
 """One DeepSpeed data-parallel rank of the learner, hosted in a Ray actor.
 
-The driver sends each rank its shard of the global batch (whole samples, advantages already computed on the
-whole batch) and the number of micro-batches every rank runs; the rank groups its samples into that many
-micro-batches (by sample count, or by token budget with learner.max_tokens_per_micro_batch), then takes one
-optimizer step. A batch that makes several steps (learner/update_plan.py) comes one mini-batch per call. Loss
-values are shares of the mini-batch's loss (its global normalizers), scaled by the world size because
-DeepSpeed averages gradients over ranks: the summed gradient is then the same for 1 or N ranks, whatever the
-split. Weights leave through the transport that `weight_sync.type` names (learner/weight_transport.py): the Ray
-object store, or a broadcast to the engines.
+The driver sends each rank its shard of the TrainingBatch (whole samples, advantages already computed on the
+whole batch) with the shard's micro-batches from the one plan (learner/batch_plan.py), then the rank runs them
+and takes one optimizer step; it reads which tokens train from the batch's `loss_mask`. A batch that makes
+several steps (learner/update_plan.py) comes one mini-batch per call. Loss values are shares of the
+mini-batch's loss (its global normalizers), scaled by the world size because DeepSpeed averages gradients over
+ranks: the summed gradient is then the same for 1 or N ranks, whatever the split. Weights leave through the
+transport that `weight_sync.type` names.
 
 With learner.sequence_parallel_size = sp > 1, each group of sp consecutive ranks shares one shard: every
 micro-batch is one packed row, each rank runs a 1/sp slice of it (Ulysses attention, learner/sequence_parallel.py)
@@ -18,7 +17,8 @@ import time
 
 import torch
 
-from learner.batch import pad_per_token, score_responses
+from learner.batch import SampleBatch, score_responses
+from learner.batch_plan import plan_one_shard
 from learner.lr_schedule import warmup_schedule
 from learner.micro_batches import check_fits_context
 from learner.nonfinite import agree, check_skipped, is_nonfinite, poison
@@ -39,11 +39,9 @@ from learner.rank_setup import (
     enable_gradient_checkpointing,
     micro_batches,
     peak_memory_gib,
-    plan_micro_batches,
     reset_peak_memory,
-    sample_tokens,
 )
-from learner.shard_scoring import collate_micro_batch, score_shard
+from learner.shard_scoring import collate_micro_batch, micro_batch, score_shard
 from learner.sequence_parallel import (
     gather_sequence,
     pack_row,
@@ -54,6 +52,7 @@ from learner.sequence_parallel import (
     shard_row,
 )
 from protocols.config import RunConfig
+from protocols.training_batch import TrainingBatch
 
 
 class LearnerRank(DeepSpeedRank, RankCheckpoint, RankWeights):
@@ -122,86 +121,81 @@ class LearnerRank(DeepSpeedRank, RankCheckpoint, RankWeights):
         return self.num_micro
 
     # --- scoring ---------------------------------------------------------------------------------------------
-    def _collate(self, shard: dict, idx: list[int]):
-        """Micro-batch tensors for samples `idx` on the rank's device (learner/shard_scoring.py: an empty list
-        gets this rank's shortest sample, which the caller masks out)."""
+    def _collate(self, shard: TrainingBatch, idx: list[int]) -> tuple[SampleBatch, TrainingBatch]:
+        """(model inputs, the micro-batch's TrainingBatch), both on the rank's device, for samples `idx` of the
+        shard (learner/shard_scoring.py: an empty list is a masked padding micro-batch)."""
         return collate_micro_batch(shard, idx, self.cfg.learner.packing, self.pad_id, self._device())
 
-    def _streamed_ref(self, shard: dict, rows: list[int], width: int) -> torch.Tensor | None:
-        """(B, T) reference log-probs the reference workers sent with the samples `rows` (reference.num_workers
-        > 0), or None when this rank scores the reference itself or no KL needs it."""
-        if self.ref_model is not None or not needs_ref_logprobs(self.cfg.algorithm):
-            return None
-        if shard.get("ref_logprobs") is None:
-            raise ValueError(
-                f"reference.num_workers={self.cfg.reference.num_workers} with algorithm.kl.beta="
-                f"{self.cfg.algorithm.kl.beta}: the learner holds no reference model, so every sample must bring "
-                "its `ref_logprobs` (the trainer adds them from the trajectories); this batch has none")
-        return pad_per_token([shard["ref_logprobs"][i] for i in rows], width).to(self._device())
-
-    def _sp_slice(self, shard: dict, idx: list[int], per_token: tuple[str, ...] = ()):
-        """(the whole packed row, this rank's slice of it on the device, the sample indices in the row) for the
-        samples `idx` (an empty list: this rank's shortest sample, masked by the caller, as in _collate)."""
-        rows = idx or [min(range(len(shard["prompt_ids"])), key=lambda i: len(shard["prompt_ids"][i])
-                           + len(shard["response_ids"][i]))]
-        row = pack_row([shard["prompt_ids"][i] for i in rows], [shard["response_ids"][i] for i in rows], self.pad_id,
-                       {name: [shard[name][i] for i in rows] for name in per_token}, multiple_of=self.sp)
+    def _sp_slice(self, shard: TrainingBatch, idx: list[int], per_token: tuple[str, ...] = ()):
+        """(the whole packed row, this rank's slice of it on the device) for samples `idx` of the shard (an empty
+        list: a masked padding micro-batch, as in _collate)."""
+        row = pack_row(micro_batch(shard, idx), self.pad_id, per_token, multiple_of=self.sp)
         piece = shard_row(row, self.groups.sp_rank, self.sp)
         dev = self._device()
         for name in ("input_ids", "position_ids", "target_ids", "loss_mask", "sample_index"):
             setattr(piece, name, getattr(piece, name).to(dev))
         piece.per_token = {name: value.to(dev) for name, value in piece.per_token.items()}
-        return row, piece, rows
+        return row, piece
 
     @torch.no_grad()
-    def _score_shard(self, model, shard: dict, count: int | None) -> list[list[float]]:
-        if self.sp > 1:
-            out: list[list[float] | None] = [None] * len(shard["prompt_ids"])
-            for idx in plan_micro_batches(shard, self.cfg, count):
-                row, piece, _ = self._sp_slice(shard, idx)
-                lps, _ = sequence_parallel_scores(model, piece, self.cfg.rollout.temperature,
-                                                  self.cfg.learner.logits_chunk_tokens)
-                whole = gather_sequence(lps, self.groups.sp_group).cpu()
-                for values, i in zip(response_values(whole, row), idx):
-                    out[i] = values
-            return out
-        return score_shard(model, shard, self.cfg, count, self.pad_id, self._device())
+    def _score_shard(self, model, shard: TrainingBatch, plan: list[list[int]]) -> torch.Tensor:
+        """(B, T) log-probs of the shard's loss tokens under `model` (0 elsewhere), in the micro-batches `plan`
+        (None: this rank's own plan, for a rank that runs alone)."""
+        plan = plan if plan is not None else plan_one_shard(shard, self.cfg)
+        if self.sp == 1:
+            lcfg = self.cfg.learner
+            return score_shard(model, shard, plan, self.cfg.rollout.temperature, lcfg.logits_chunk_tokens,
+                               lcfg.packing, self.pad_id, self._device())
+        out = torch.zeros(shard.loss_mask.shape, dtype=torch.float32)
+        for idx in plan:
+            row, piece = self._sp_slice(shard, idx)
+            lps, _ = sequence_parallel_scores(model, piece, self.cfg.rollout.temperature,
+                                              self.cfg.learner.logits_chunk_tokens)
+            whole = gather_sequence(lps, self.groups.sp_group).cpu()
+            if idx:
+                values = response_values(whole, row, shard.width)
+                out[torch.tensor(idx)] = values
+        return out
 
-    def ref_logprobs(self, shard: dict, num_micro_batches: int | None = None) -> list[list[float]]:
-        """Reference-policy log-probs of each response token (for KL placed in the reward), when the rank holds
-        the reference model (reference.num_workers = 0)."""
+    def ref_logprobs(self, shard: TrainingBatch, plan: list[list[int]] | None = None) -> torch.Tensor:
+        """(B, T) reference-policy log-probs of the shard's loss tokens, when the rank holds the reference model
+        (reference.num_workers = 0). The driver asks once per step and puts them in the batch."""
         if self.ref_model is None:
             raise RuntimeError(
                 f"this learner rank holds no reference model (reference.num_workers={self.cfg.reference.num_workers}, "
                 f"algorithm.kl.beta={self.cfg.algorithm.kl.beta}): with reference workers the reference log-probs "
                 "come with the trajectories (Trajectory.ref_logprobs)")
-        return self._score_shard(self.ref_model, shard, num_micro_batches)
+        return self._score_shard(self.ref_model, shard, plan)
 
-    def policy_logprobs(self, shard: dict, num_micro_batches: int | None = None) -> list[list[float]]:
-        """Current-policy log-probs of each response token (weight-sync checks, proximal recompute). Under ZeRO-3
-        each forward is a collective: pass the same num_micro_batches to every rank."""
+    def policy_logprobs(self, shard: TrainingBatch, plan: list[list[int]] | None = None) -> torch.Tensor:
+        """(B, T) current-policy log-probs of the shard's loss tokens (weight-sync checks, proximal recompute).
+        Under ZeRO-3 each forward is a collective: every rank gets a plan of the same length."""
         self.engine.eval()
         try:
-            return self._score_shard(self.engine, shard, num_micro_batches)
+            return self._score_shard(self.engine, shard, plan)
         finally:
             self.engine.train()
 
     # --- the update ----------------------------------------------------------------------------------------------
-    def train_step(self, shard: dict, normalizer: LossNormalizer,
-                   num_micro_batches: int | None = None) -> dict[str, float]:
-        """One optimizer step on this rank's shard. `shard` holds per-sample lists: prompt_ids, response_ids,
-        behavior_logprobs, advantages (per token), sample_mask, and proximal_logprobs (per token) when the driver
-        scored them before the batch's first update (several updates per batch, decoupled mode). num_micro_batches: how many forward/backward
-        passes every rank runs this step (the driver's count; None: as many as this rank needs, fine for one
-        rank). Returns summed metrics (see finalize_metrics), plus learner/real_tokens and
-        learner/processed_tokens (padding included), learner/micro_batches_max and learner/peak_gib_max."""
+    def train_step(self, shard: TrainingBatch, normalizer: LossNormalizer,
+                   plan: list[list[int]] | None = None) -> dict[str, float]:
+        """One optimizer step on this rank's shard of the batch (advantages set; ref_logprobs set when a KL needs
+        them and the rank holds no reference model; proximal_logprobs set when the driver scored them before the
+        batch's first update), in the micro-batches of `plan` (the driver's, the same count on every rank; None:
+        this rank's own plan, for a rank that runs alone).
+        Returns summed metrics (see finalize_metrics), plus learner/real_tokens and learner/processed_tokens
+        (padding included), learner/micro_batches_max and learner/peak_gib_max."""
         cfg = self.cfg
         start = time.perf_counter()
         dev = self._device()
         reset_peak_memory(dev)
-        tokens = sample_tokens(shard)
+        tokens = shard.sample_tokens()
         check_fits_context(tokens, getattr(self.hf_config, "max_position_embeddings", None))
-        plan = plan_micro_batches(shard, cfg, num_micro_batches)
+        if shard.advantages is None:
+            raise ValueError("LearnerRank.train_step needs a batch with advantages (learner/objective.py "
+                             "compute_advantages); this one has none")
+        self._check_ref(shard)
+        plan = plan if plan is not None else plan_one_shard(shard, cfg)
         if self.sp > 1:
             return self._train_step_sequence_parallel(shard, normalizer, plan, tokens, start)
         # The engine's batch size follows this step's count (DeepSpeed's own bookkeeping); the boundary is set
@@ -212,26 +206,17 @@ class LearnerRank(DeepSpeedRank, RankCheckpoint, RankWeights):
         self.engine.train()
         nonfinite = False
         for k, idx in enumerate(plan):
-            batch, rows = self._collate(shard, idx)
-            width = batch.loss_mask.size(1)
-            sample_mask = torch.tensor([shard["sample_mask"][i] for i in rows], dtype=torch.bool, device=dev)
-            if not idx:
-                sample_mask[:] = False
-            loss_mask = batch.loss_mask & sample_mask[:, None]
-            logprobs, entropy, ref = self._policy_and_ref_scores(score_responses, batch)
-            if ref is None:
-                ref = self._streamed_ref(shard, rows, width)
-            proximal = logprobs.detach()
-            if "proximal_logprobs" in shard:
-                proximal = pad_per_token([shard["proximal_logprobs"][i] for i in rows], width).to(dev)
+            batch, part = self._collate(shard, idx)
+            logprobs, entropy, ref = self._policy_and_ref_scores(score_responses, batch, part.ref_logprobs)
             inputs = PolicyLossInputs(
-                behavior_logprobs=pad_per_token([shard["behavior_logprobs"][i] for i in rows], width).to(dev),
-                advantages=pad_per_token([shard["advantages"][i] for i in rows], width).to(dev),
-                loss_mask=loss_mask,
-                # Several updates per batch: the driver scored them before the first (shard["proximal_logprobs"]).
+                behavior_logprobs=part.behavior_logprobs,
+                advantages=part.advantages,
+                loss_mask=part.loss_mask,
+                # Several updates per batch: the driver scored them before the first (part.proximal_logprobs).
                 # One: the policy before the update is the one computing `logprobs`, so the proximal log-probs of
                 # decoupled PPO come free, without a second forward pass.
-                proximal_logprobs=proximal,
+                proximal_logprobs=(part.proximal_logprobs if part.proximal_logprobs is not None
+                                   else logprobs.detach()),
                 ref_logprobs=ref,
                 entropy=entropy,
             )
@@ -244,18 +229,27 @@ class LearnerRank(DeepSpeedRank, RankCheckpoint, RankWeights):
             summed["learner/real_tokens"] += float(sum(tokens[i] for i in idx))
             summed["learner/processed_tokens"] += float(batch.processed_tokens)
             summed = combine_metrics([summed, {key: float(value) for key, value in metrics.items()}])
-            del logprobs, entropy, inputs, loss, batch
+            del logprobs, entropy, inputs, loss, batch, part
         return self._finish_step(summed, start, len(plan), dev, lr, nonfinite)
 
-    def _policy_and_ref_scores(self, score, batch):
+    def _check_ref(self, shard: TrainingBatch) -> None:
+        """A KL needs reference log-probs: from the batch, or from the rank's own reference model."""
+        if needs_ref_logprobs(self.cfg.algorithm) and self.ref_model is None and shard.ref_logprobs is None:
+            raise ValueError(
+                f"reference.num_workers={self.cfg.reference.num_workers} with algorithm.kl.beta="
+                f"{self.cfg.algorithm.kl.beta}: the learner holds no reference model, so the batch must bring "
+                "`ref_logprobs` (TrainingBatch.from_trajectories takes them from the trajectories); this one has none")
+
+    def _policy_and_ref_scores(self, score, batch, ref: torch.Tensor | None):
         """(log-probs with grad, entropy (with grad only for an entropy bonus), reference log-probs or None) of one
-        micro-batch, `score` being the padded/packed scorer or the sequence-parallel one."""
+        micro-batch, `score` being the padded/packed scorer or the sequence-parallel one. `ref`: the batch's own
+        reference log-probs (streamed, or scored once by the driver's request); the rank's reference model runs
+        only when the batch has none and a KL needs them."""
         cfg = self.cfg
         logprobs, entropy = score(self.engine, batch, cfg.rollout.temperature, cfg.learner.logits_chunk_tokens)
         if cfg.algorithm.entropy_coef <= 0:
             entropy = entropy.detach()
-        ref = None
-        if self.ref_model is not None:
+        if ref is None and self.ref_model is not None:
             with torch.no_grad():
                 ref, _ = score(self.ref_model, batch, cfg.rollout.temperature, cfg.learner.logits_chunk_tokens)
         return logprobs, entropy, ref
@@ -290,7 +284,7 @@ class LearnerRank(DeepSpeedRank, RankCheckpoint, RankWeights):
         summed["learner/lr_max"] = float(lr)
         return summed
 
-    def _train_step_sequence_parallel(self, shard: dict, normalizer: LossNormalizer,
+    def _train_step_sequence_parallel(self, shard: TrainingBatch, normalizer: LossNormalizer,
                                       plan: list[list[int]], tokens: list[int], start: float) -> dict[str, float]:
         """train_step when sp ranks share each sample: the same plan on every rank of the group, one packed row per
         micro-batch, this rank's 1/sp slice of it. Per-token metrics add up over the slices; what counts samples
@@ -306,28 +300,20 @@ class LearnerRank(DeepSpeedRank, RankCheckpoint, RankWeights):
         summed: dict[str, float] = {"learner/real_tokens": 0.0, "learner/processed_tokens": 0.0}
         lr = self.engine.get_lr()[0]  # this step's: the schedule moves on at the step's boundary
         self.engine.train()
-        streamed = self.ref_model is None and needs_ref_logprobs(cfg.algorithm)
-        if streamed and shard.get("ref_logprobs") is None:
-            self._streamed_ref(shard, [], 0)  # raises the error that names the settings
-        per_token = ("behavior_logprobs", "advantages", *(("ref_logprobs",) if streamed else ()))
-        if "proximal_logprobs" in shard:
-            per_token += ("proximal_logprobs",)
+        per_token = tuple(name for name in ("behavior_logprobs", "advantages", "ref_logprobs", "proximal_logprobs")
+                          if getattr(shard, name) is not None)
         nonfinite = False
         for k, idx in enumerate(plan):
-            row, piece, rows = self._sp_slice(shard, idx, per_token)
-            kept = [bool(idx) and bool(shard["sample_mask"][i]) for i in rows]
-            sample_mask = torch.tensor(kept, dtype=torch.bool, device=dev)
-            loss_mask = piece.loss_mask & per_sample_to_columns(piece, sample_mask)
-            # |y_i| of whole samples: a slice may hold part of one (seq_mean_token_mean divides by it).
-            lengths = torch.tensor([float(len(shard["response_ids"][i])) if keep else 0.0
-                                    for i, keep in zip(rows, kept)], device=dev)
-            logprobs, entropy, ref = self._policy_and_ref_scores(sequence_parallel_scores, piece)
-            if streamed:
-                ref = piece.per_token["ref_logprobs"]
+            part = micro_batch(shard, idx)
+            row, piece = self._sp_slice(shard, idx, per_token)
+            # |y_i|: loss tokens of whole samples, as a slice may hold part of one (seq_mean_token_mean divides by it)
+            lengths = part.loss_mask.sum(dim=1).float().to(dev)
+            logprobs, entropy, ref = self._policy_and_ref_scores(sequence_parallel_scores, piece,
+                                                                 piece.per_token.get("ref_logprobs"))
             inputs = PolicyLossInputs(
                 behavior_logprobs=piece.per_token["behavior_logprobs"],
                 advantages=piece.per_token["advantages"],
-                loss_mask=loss_mask,
+                loss_mask=piece.loss_mask,
                 proximal_logprobs=piece.per_token.get("proximal_logprobs", logprobs.detach()),
                 ref_logprobs=ref,
                 entropy=entropy,
@@ -336,8 +322,7 @@ class LearnerRank(DeepSpeedRank, RankCheckpoint, RankWeights):
             )
             loss, metrics = compute_policy_loss(logprobs, inputs, cfg.algorithm, normalizer)
             # A packed row is one "sequence" to compute_policy_loss; count samples with a loss token instead.
-            metrics["num_sequences"] = float(sum(keep and len(shard["response_ids"][i]) > 0
-                                                 for i, keep in zip(rows, kept))) if first else 0.0
+            metrics["num_sequences"] = float((lengths > 0).sum()) if first else 0.0
             loss, nonfinite = self._guard_nonfinite(loss, logprobs, nonfinite, k == len(plan) - 1, dev)
             self.engine.set_gradient_accumulation_boundary(k == len(plan) - 1)
             # DeepSpeed sums gradients over the SP ranks and divides by the dp size: scale the share by dp.
@@ -347,7 +332,7 @@ class LearnerRank(DeepSpeedRank, RankCheckpoint, RankWeights):
                 summed["learner/real_tokens"] += float(sum(tokens[i] for i in idx))
             summed["learner/processed_tokens"] += float(piece.input_ids.numel())
             summed = combine_metrics([summed, {key: float(value) for key, value in metrics.items()}])
-            del logprobs, entropy, inputs, loss, piece, row
+            del logprobs, entropy, inputs, loss, piece, row, part
         return self._finish_step(summed, start, len(plan), dev, lr, nonfinite)
 
     def ping(self) -> int:

@@ -1,14 +1,13 @@
 """What a learner rank settles before it computes: its device and process group (shared by the policy's ranks
-and the critic's), which samples form each micro-batch, which attention kernel and how much gradient
+and the critic's), which attention kernel and how much gradient
 checkpointing the model gets, and how its peak memory is read. Used by learner/learner_actor.py and
-learner/critic_rank.py (the ranks) and cluster/learner_group.py (the driver's micro-batch count).
+learner/critic_rank.py (the ranks); which samples form each micro-batch is learner/batch_plan.py's.
 """
 
 import os
 
 import torch
 
-from learner.micro_batches import sample_count_micro_batches, token_budget_micro_batches
 from protocols.config import RunConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -76,29 +75,6 @@ def deepspeed_config(gradient_accumulation_steps: int, max_grad_norm: float, zer
 
 def micro_batches(num_samples: int, micro_batch_size: int) -> list[slice]:
     return [slice(i, min(i + micro_batch_size, num_samples)) for i in range(0, num_samples, micro_batch_size)]
-
-
-def sample_tokens(shard: dict) -> list[int]:
-    """Prompt + response tokens of each sample: what a micro-batch's budget counts."""
-    return [len(p) + len(r) for p, r in zip(shard["prompt_ids"], shard["response_ids"])]
-
-
-def plan_micro_batches(shard: dict, cfg: RunConfig, count: int | None) -> list[list[int]]:
-    """Sample indices of each micro-batch of this rank, exactly `count` of them when given (the driver's count
-    for all ranks; empty lists pad a rank that has fewer samples than micro-batches)."""
-    budget = cfg.learner.max_tokens_per_micro_batch
-    if budget > 0:
-        # Sequence parallel rows are always packed (learner.sequence_parallel.pack_row).
-        plan = token_budget_micro_batches(sample_tokens(shard), budget, count=count or 0,
-                                          padded=not (cfg.learner.packing or cfg.learner.sequence_parallel_size > 1))
-    else:
-        plan = sample_count_micro_batches(len(shard["prompt_ids"]), cfg.learner.micro_batch_size)
-    if count is not None and len(plan) > count:
-        raise ValueError(
-            f"this rank needs {len(plan)} micro-batches for its {len(shard['prompt_ids'])} samples but was told to "
-            f"run {count}: every rank must run the same number (the driver's count must be the largest any rank "
-            f"needs; see learner.micro_batches.micro_batch_count)")
-    return plan + [[] for _ in range((count or 0) - len(plan))]
 
 
 def attention_implementation(use_cuda: bool, packing: bool, dtype: torch.dtype) -> str:

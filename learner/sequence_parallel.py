@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from learner.batch import _scoring_head
+from protocols.training_batch import TrainingBatch
 
 # --- groups -------------------------------------------------------------------------------------------------------
 
@@ -83,7 +84,7 @@ class SequenceRow:
     target_ids: Tensor
     """The token column c predicts: the next token of the same sample (pad after a sample's last token)."""
     loss_mask: Tensor
-    """bool: True where the target is a response token."""
+    """bool: True where the target is a token that trains (the batch's loss_mask at its predicting column)."""
     sample_index: Tensor
     """Which packed sample the column belongs to; -1 on padding."""
     per_token: dict[str, Tensor] = field(default_factory=dict)
@@ -95,29 +96,28 @@ class SequenceRow:
     """Column of the unsharded row where this slice starts (0 for a whole row)."""
 
 
-def pack_row(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int,
-             per_token: dict[str, list[list[float]]] | None = None, multiple_of: int = 1) -> SequenceRow:
-    """Pack samples (prompt + response each) into one row, right-padded to a multiple of `multiple_of` (the SP
-    size, so every rank gets an equal slice). Response token j of a sample whose prompt has P tokens sits at the
-    sample's column P + j and is predicted by column P + j - 1, where its per-token values go.
-    Padding continues the last sample's positions, so a one-sample row stays one causal sequence (no mask needed)."""
-    if len(prompt_ids) != len(response_ids) or not prompt_ids:
-        raise ValueError(f"pack_row needs one prompt per response and at least one sample, got "
-                         f"{len(prompt_ids)} prompts and {len(response_ids)} responses")
-    per_token = per_token or {}
+def pack_row(batch: TrainingBatch, pad_id: int, per_token: tuple[str, ...] = (), multiple_of: int = 1) -> SequenceRow:
+    """Pack the samples of `batch` (prompt + response each) into one row, right-padded to a multiple of
+    `multiple_of` (the SP size, so every rank gets an equal slice). Response token j of a sample whose prompt has
+    P tokens sits at the sample's column P + j and is predicted by column P + j - 1, where its loss-mask flag and
+    its per-token values (the batch's fields named in `per_token`) go. Padding continues the last sample's
+    positions, so a one-sample row stays one causal sequence (no mask needed)."""
+    if batch.num_samples == 0:
+        raise ValueError("pack_row needs at least one sample")
     ids: list[int] = []
     positions: list[int] = []
     samples: list[int] = []
     response_columns: list[list[int]] = []
-    for i, (prompt, response) in enumerate(zip(prompt_ids, response_ids)):
+    lengths = batch.response_lengths.tolist()
+    for i, (prompt, length) in enumerate(zip(batch.prompt_ids, lengths)):
         if not prompt:
             raise ValueError(f"sample {i} has an empty prompt: its first response token would have no position "
                              f"predicting it")
         offset = len(ids)
-        ids.extend(prompt + response)
-        positions.extend(range(len(prompt) + len(response)))
-        samples.extend([i] * (len(prompt) + len(response)))
-        response_columns.append([offset + len(prompt) + j - 1 for j in range(len(response))])
+        ids.extend(prompt + batch.response_ids[i, :length].tolist())
+        positions.extend(range(len(prompt) + length))
+        samples.extend([i] * (len(prompt) + length))
+        response_columns.append([offset + len(prompt) + j - 1 for j in range(length)])
     length = -(-len(ids) // multiple_of) * multiple_of
     num_pad = length - len(ids)
     positions.extend(range(positions[-1] + 1, positions[-1] + 1 + num_pad))
@@ -127,17 +127,14 @@ def pack_row(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id:
     target_ids = torch.full((1, length), pad_id, dtype=torch.long)
     loss_mask = torch.zeros((1, length), dtype=torch.bool)
     values = {name: torch.zeros((1, length), dtype=torch.float32) for name in per_token}
-    for i, (columns, response) in enumerate(zip(response_columns, response_ids)):
+    for i, (columns, n) in enumerate(zip(response_columns, lengths)):
         if not columns:
             continue
         cols = torch.tensor(columns)
-        target_ids[0, cols] = torch.tensor(response, dtype=torch.long)
-        loss_mask[0, cols] = True
-        for name, rows in per_token.items():
-            if len(rows[i]) != len(response):
-                raise ValueError(f"per-token `{name}` of sample {i} has {len(rows[i])} values for "
-                                 f"{len(response)} response tokens")
-            values[name][0, cols] = torch.tensor(rows[i], dtype=torch.float32)
+        target_ids[0, cols] = batch.response_ids[i, :n]
+        loss_mask[0, cols] = batch.loss_mask[i, :n].cpu()
+        for name in per_token:
+            values[name][0, cols] = getattr(batch, name)[i, :n].float().cpu()
     # Prompt columns predict the next prompt token too; only the response is scored, so they keep pad targets.
     return SequenceRow(
         input_ids=torch.tensor([ids], dtype=torch.long),
@@ -178,10 +175,14 @@ def per_sample_to_columns(row: SequenceRow, values: Tensor) -> Tensor:
     return torch.where(row.sample_index >= 0, picked, torch.zeros((), dtype=values.dtype, device=picked.device))
 
 
-def response_values(row_values: Tensor, row: SequenceRow) -> list[list[float]]:
-    """Per-sample response values (e.g. log-probs) from a (1, L) tensor over the whole row's columns."""
-    flat = row_values[0].tolist()
-    return [[flat[c] for c in columns] for columns in row.response_columns]
+def response_values(row_values: Tensor, row: SequenceRow, width: int) -> Tensor:
+    """(B, width) per-sample response values (e.g. log-probs) from a (1, L) tensor over the whole row's columns,
+    0 past each response."""
+    out = torch.zeros((len(row.response_columns), width), dtype=row_values.dtype)
+    for i, columns in enumerate(row.response_columns):
+        if columns:
+            out[i, : len(columns)] = row_values[0, torch.tensor(columns)]
+    return out
 
 
 def gather_sequence(shard_values: Tensor, group: dist.ProcessGroup | None) -> Tensor:

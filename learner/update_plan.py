@@ -1,11 +1,11 @@
 """Several optimizer steps per global batch (learner.ppo_epochs x learner.mini_batches_per_step): which samples each
-update trains on, the exact loss normalizers of each, and how the updates' metrics add up. Pure; the driver's
+update trains on and how the updates' metrics add up (each mini-batch's normalizer is count_normalizer of its
+own loss_mask). Pure; the driver's
 learner group (cluster/learner_group.py) runs the plan, one sharded DeepSpeed step per mini-batch.
 """
 
 import numpy as np
 
-from learner.aggregation import LossNormalizer
 from learner.objective import combine_metrics, finalize_metrics
 
 
@@ -25,31 +25,6 @@ def mini_batch_order(num_samples: int, ppo_epochs: int, mini_batches: int,
         order = np.random.default_rng([*seed, epoch]).permutation(num_samples)
         plan.append([sorted(int(i) for i in part) for part in np.array_split(order, mini_batches)])
     return plan
-
-
-def sample_normalizer(response_lengths: list[int], sample_mask: list[bool], idx: list[int],
-                      max_response_tokens: int) -> LossNormalizer:
-    """The normalizer of the samples `idx` (a mini-batch): every response token of a kept sample is a loss
-    token, as the driver's loss mask (response positions AND sample_mask) has it; count_normalizer's rule."""
-    kept = [response_lengths[i] for i in idx if sample_mask[i]]
-    return LossNormalizer(global_num_tokens=float(sum(kept)), global_num_sequences=float(sum(n > 0 for n in kept)),
-                          max_response_tokens=int(max_response_tokens))
-
-
-def check_batch_normalizer(normalizer: LossNormalizer, response_lengths: list[int], sample_mask: list[bool]) -> None:
-    """Mini-batch normalizers are counted from the samples; refuse a driver whose batch normalizer counted
-    another loss mask, since then each mini-batch would need that mask too."""
-    whole = sample_normalizer(response_lengths, sample_mask, list(range(len(response_lengths))),
-                              normalizer.max_response_tokens)
-    if (whole.global_num_tokens, whole.global_num_sequences) != (normalizer.global_num_tokens,
-                                                                  normalizer.global_num_sequences):
-        raise ValueError(
-            f"the batch's LossNormalizer counts {normalizer.global_num_tokens:g} tokens in "
-            f"{normalizer.global_num_sequences:g} sequences, but its samples hold {whole.global_num_tokens:g} response "
-            f"tokens in {whole.global_num_sequences:g} kept sequences (sample_mask): with "
-            "learner.mini_batches_per_step > 1 or learner.ppo_epochs > 1 each mini-batch's normalizer is counted from "
-            "its samples, so the loss mask must be the response tokens of the kept samples. Pass "
-            "count_normalizer(response mask & sample_mask) or train with one update per batch")
 
 
 _PER_EPOCH = ("clip_frac",)

@@ -31,11 +31,11 @@ class ValueModel(nn.Module):
 
 def response_values(model: nn.Module, batch: SampleBatch) -> Tensor:
     """(B, T) fp32 value of the state before each response token (the position that predicts it, as the policy's
-    log-probs use: learner/batch.score_index), 0 where loss_mask is False; with grad when the model has it."""
+    log-probs use: learner/batch.score_index), 0 where score_mask is False; with grad when the model has it."""
     values = model(batch.input_ids, batch.attention_mask, batch.position_ids)
     keep = batch.keep if batch.keep > 0 else values.shape[1]
     flat = values[:, -keep:].reshape(-1)
-    mask = batch.loss_mask
+    mask = batch.score_mask
     picked = flat.index_select(0, batch.score_index[mask])
     zeros = torch.zeros(mask.shape, dtype=torch.float32, device=picked.device)
     return zeros.masked_scatter(mask, picked)

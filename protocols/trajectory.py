@@ -83,6 +83,12 @@ class Trajectory(BaseModel):
     when no reference worker group runs (the learner then scores the reference itself, if the KL needs it)."""
 
     @property
+    def loss_mask(self) -> list[bool]:
+        """One flag per response token: True where the engine sampled the token (those train; tokens that are
+        context only, such as a tool's output, do not). A single-turn response is all sampled tokens."""
+        return [True] * len(self.response_token_ids)
+
+    @property
     def min_version(self) -> int:
         """Oldest policy version that produced a token: staleness is measured from it."""
         return min(self.token_versions) if self.token_versions else -1

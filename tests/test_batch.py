@@ -4,6 +4,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from learner.batch import collate, pad_per_token, response_logits, token_logprobs
+from protocols.training_batch import TrainingBatch
 
 
 def tiny_model() -> Qwen2ForCausalLM:
@@ -25,19 +26,19 @@ def test_left_and_right_padding_change_no_logprob():
     model = tiny_model()
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
     responses = [[10, 11], [12], [13, 14, 15, 16]]
-    batch = collate(prompts, responses, pad_id=0)
+    batch = collate(TrainingBatch.from_samples(prompts, responses), pad_id=0)
     assert batch.input_ids.shape == (3, 5 + 4)  # widest prompt 5 + widest response 4
     with torch.no_grad():
         logprobs = token_logprobs(response_logits(model, batch, temperature=1.0), batch.response_ids)
     for i, (p, r) in enumerate(zip(prompts, responses)):
         torch.testing.assert_close(logprobs[i, : len(r)], alone(model, p, r), rtol=1e-5, atol=1e-5)
-    assert batch.loss_mask.tolist() == [[True, True, False, False], [True, False, False, False], [True] * 4]
+    assert batch.score_mask.tolist() == [[True, True, False, False], [True, False, False, False], [True] * 4]
 
 
 def test_temperature_divides_the_logits():
     # log-probs at temperature 2 are log_softmax(logits / 2)
     model = tiny_model()
-    batch = collate([[1, 2]], [[3, 4]], pad_id=0)
+    batch = collate(TrainingBatch.from_samples([[1, 2]], [[3, 4]]), pad_id=0)
     with torch.no_grad():
         hot = response_logits(model, batch, temperature=2.0)
         cold = response_logits(model, batch, temperature=1.0)

@@ -5,6 +5,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from learner.batch import collate, collate_packed, response_logits, score_responses, token_logprobs
+from protocols.training_batch import TrainingBatch
 from learner.kl import entropy_from_logits
 from learner.logprobs import chunked_logprobs_entropy
 
@@ -85,13 +86,13 @@ def test_model_scores_match_the_full_logits_path(tied, packed):
     # Reference: today's path, padded rows, (B, T, V) logits. Candidate: chunked head (3 positions per chunk over
     # 8 response tokens), padded or packed. Same log-probs, entropies and parameter gradients, tied head included.
     model = tiny_model(tied)
-    padded = collate(PROMPTS, RESPONSES, pad_id=0)
+    padded = collate(TrainingBatch.from_samples(PROMPTS, RESPONSES), pad_id=0)
     logits = response_logits(model, padded, temperature=0.8)
-    lp_ref = torch.where(padded.loss_mask, token_logprobs(logits, padded.response_ids), 0.0)
-    ent_ref = torch.where(padded.loss_mask, entropy_from_logits(logits), 0.0)
+    lp_ref = torch.where(padded.score_mask, token_logprobs(logits, padded.response_ids), 0.0)
+    ent_ref = torch.where(padded.score_mask, entropy_from_logits(logits), 0.0)
     grads_ref = model_grads(model, lp_ref.sum() + 0.3 * ent_ref.sum())
 
-    batch = (collate_packed if packed else collate)(PROMPTS, RESPONSES, pad_id=0)
+    batch = (collate_packed if packed else collate)(TrainingBatch.from_samples(PROMPTS, RESPONSES), pad_id=0)
     lp, ent = score_responses(model, batch, temperature=0.8, chunk_tokens=3)
     torch.testing.assert_close(lp, lp_ref, rtol=0, atol=1e-5)
     torch.testing.assert_close(ent, ent_ref, rtol=0, atol=1e-5)
@@ -103,7 +104,7 @@ def test_model_scores_match_the_full_logits_path(tied, packed):
 
 
 def test_packed_row_has_no_padding_and_restarts_positions():
-    batch = collate_packed(PROMPTS, RESPONSES, pad_id=0)
+    batch = collate_packed(TrainingBatch.from_samples(PROMPTS, RESPONSES), pad_id=0)
     # lengths 3+2, 5+1, 1+5 -> one row of 17 tokens
     assert batch.input_ids.shape == (1, 17)
     assert batch.position_ids[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5]
@@ -114,8 +115,8 @@ def test_packed_row_has_no_padding_and_restarts_positions():
 
 def test_full_logits_path_of_score_responses_equals_response_logits():
     model = tiny_model(False).eval()
-    batch = collate(PROMPTS, RESPONSES, pad_id=0)
+    batch = collate(TrainingBatch.from_samples(PROMPTS, RESPONSES), pad_id=0)
     with torch.no_grad():
         lp, _ = score_responses(model, batch, temperature=1.0, chunk_tokens=0)
         ref = token_logprobs(response_logits(model, batch, 1.0), batch.response_ids)
-    torch.testing.assert_close(lp, torch.where(batch.loss_mask, ref, 0.0), rtol=0, atol=1e-6)
+    torch.testing.assert_close(lp, torch.where(batch.score_mask, ref, 0.0), rtol=0, atol=1e-6)

@@ -6,31 +6,26 @@ import pytest
 import torch
 
 from learner.aggregation import count_normalizer
-from learner.batch import collate, pad_per_token, score_responses
+from learner.batch import collate, score_responses
 from learner.lr_schedule import warmup_factor, warmup_schedule
 from learner.objective import PolicyLossInputs, compute_policy_loss, finalize_metrics
-from learner.update_plan import check_batch_normalizer, combine_updates, mini_batch_order, sample_normalizer
+from learner.update_plan import combine_updates, mini_batch_order
 from protocols.config import ConfigError, load_config
+from protocols.training_batch import TrainingBatch
 
 
-def make_batch(num_samples: int, seed: int = 0) -> dict:
+def make_batch(num_samples: int, seed: int = 0) -> TrainingBatch:
     # Ragged responses (1 to 6 tokens) and one masked sample, so a normalizer of the wrong mini-batch shows up.
     g = torch.Generator().manual_seed(seed)
-    samples = {"prompt_ids": [], "response_ids": [], "behavior_logprobs": [], "advantages": [], "sample_mask": []}
+    prompts, responses, behavior, advantages = [], [], [], []
     for i in range(num_samples):
         length = 1 + (i * 5) % 6
-        samples["prompt_ids"].append([1, 3 + i % 10, 13, 3 + (i * 7) % 10, 14])
-        samples["response_ids"].append(torch.randint(3, 13, (length,), generator=g).tolist())
-        samples["behavior_logprobs"].append((-2.5 + 0.1 * torch.randn(length, generator=g)).tolist())
-        samples["advantages"].append([1.0 if i % 2 else -1.0] * length)
-        samples["sample_mask"].append(i != 3)
-    return samples
-
-
-def response_mask(samples: dict, idx: list[int]) -> torch.Tensor:
-    lengths = torch.tensor([len(samples["response_ids"][i]) for i in idx])
-    mask = torch.arange(int(lengths.max()))[None] < lengths[:, None]
-    return mask & torch.tensor([samples["sample_mask"][i] for i in idx])[:, None]
+        prompts.append([1, 3 + i % 10, 13, 3 + (i * 7) % 10, 14])
+        responses.append(torch.randint(3, 13, (length,), generator=g).tolist())
+        behavior.append((-2.5 + 0.1 * torch.randn(length, generator=g)).tolist())
+        advantages.append([1.0 if i % 2 else -1.0] * length)
+    return TrainingBatch.from_samples(prompts, responses, behavior, advantages=advantages,
+                                      sample_mask=[i != 3 for i in range(num_samples)])
 
 
 # ------------------------------------------------------------------------------------------------- the plan
@@ -60,22 +55,13 @@ def test_warmup_rises_linearly_over_optimizer_steps():
 
 
 def test_mini_batch_normalizer_counts_the_loss_mask_of_its_samples():
-    samples = make_batch(8)
-    lengths = [len(r) for r in samples["response_ids"]]
-    for idx in ([0, 2, 3, 5], [1, 4, 6, 7], list(range(8))):
-        want = count_normalizer(response_mask(samples, idx), 16)
-        assert sample_normalizer(lengths, samples["sample_mask"], idx, 16) == want
+    batch = make_batch(8)
     # lengths 1 + (5i mod 6) = 1, 6, 5, 4, 3, 2, 1, 6; sample 3 (4 tokens) masked: 28 - 4 = 24 tokens, 7 sequences
-    whole = sample_normalizer(lengths, samples["sample_mask"], list(range(8)), 16)
+    whole = count_normalizer(batch.loss_mask, 16)
     assert (whole.global_num_tokens, whole.global_num_sequences) == (24.0, 7.0)
-
-
-def test_a_batch_normalizer_from_another_mask_is_refused():
-    samples = make_batch(8)
-    lengths = [len(r) for r in samples["response_ids"]]
-    unmasked = count_normalizer(response_mask({**samples, "sample_mask": [True] * 8}, list(range(8))), 16)
-    with pytest.raises(ValueError, match="counts 28 tokens in 8 sequences.*hold 24 response tokens in 7"):
-        check_batch_normalizer(unmasked, lengths, samples["sample_mask"])
+    # samples 0, 2, 3, 5: 1 + 5 + (masked) + 2 = 8 tokens in 3 sequences
+    part = count_normalizer(batch.select([0, 2, 3, 5]).loss_mask, 16)
+    assert (part.global_num_tokens, part.global_num_sequences) == (8.0, 3.0)
 
 
 def test_combined_metrics_of_four_updates():
@@ -132,24 +118,20 @@ def reference_updates(model: torch.nn.Module, samples: dict, cfg, plan: list[lis
     lcfg, temperature = cfg.learner, cfg.rollout.temperature
     optimizer = torch.optim.AdamW(model.parameters(), lr=lcfg.lr, betas=lcfg.betas, weight_decay=lcfg.weight_decay)
     schedule = warmup_schedule(optimizer, lcfg.lr_warmup_steps)
-    everything = list(range(len(samples["prompt_ids"])))
+    everything = list(range(samples.num_samples))
     with torch.no_grad():
-        proximal, _ = score_responses(model, collate(samples["prompt_ids"], samples["response_ids"], 0),
-                                      temperature, 0)
-    lengths = [len(r) for r in samples["response_ids"]]
+        proximal, _ = score_responses(model, collate(samples, 0), temperature, 0)
     out = []
     for mini_batches in plan:
         for idx in mini_batches:
-            batch = collate([samples["prompt_ids"][i] for i in idx], [samples["response_ids"][i] for i in idx], 0)
-            width = batch.loss_mask.size(1)
+            part = samples.select(idx)
+            batch = collate(part, 0)
             logprobs, entropy = score_responses(model, batch, temperature, 0)
             inputs = PolicyLossInputs(
-                behavior_logprobs=pad_per_token([samples["behavior_logprobs"][i] for i in idx], width),
-                advantages=pad_per_token([samples["advantages"][i] for i in idx], width),
-                loss_mask=batch.loss_mask & torch.tensor([samples["sample_mask"][i] for i in idx])[:, None],
-                proximal_logprobs=proximal[idx, :width], entropy=entropy.detach())
-            loss, metrics = compute_policy_loss(logprobs, inputs, cfg.algorithm, sample_normalizer(
-                lengths, samples["sample_mask"], idx, cfg.rollout.max_response_tokens))
+                behavior_logprobs=part.behavior_logprobs, advantages=part.advantages, loss_mask=part.loss_mask,
+                proximal_logprobs=proximal[idx, :part.width], entropy=entropy.detach())
+            loss, metrics = compute_policy_loss(logprobs, inputs, cfg.algorithm, count_normalizer(
+                part.loss_mask, cfg.rollout.max_response_tokens))
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), lcfg.max_grad_norm)
@@ -190,19 +172,15 @@ def test_split_mini_batch_gives_the_gradient_of_the_whole_mini_batch():
     # The mini-batch's normalizer is global to it: two micro-batches add up to the one-piece gradient.
     cfg = load_config(None, ["algorithm.preset=dapo"])
     samples, idx = make_batch(8), [0, 2, 5, 6]
-    lengths = [len(r) for r in samples["response_ids"]]
-    normalizer = sample_normalizer(lengths, samples["sample_mask"], idx, 16)
+    normalizer = count_normalizer(samples.select(idx).loss_mask, 16)
 
     def grad(parts: list[list[int]]) -> torch.Tensor:
         model = TokenTable()
-        for part in parts:
-            batch = collate([samples["prompt_ids"][i] for i in part], [samples["response_ids"][i] for i in part], 0)
-            width = batch.loss_mask.size(1)
-            logprobs, _ = score_responses(model, batch, 1.0, 0)
+        for indices in parts:
+            part = samples.select(indices)
+            logprobs, _ = score_responses(model, collate(part, 0), 1.0, 0)
             inputs = PolicyLossInputs(
-                behavior_logprobs=pad_per_token([samples["behavior_logprobs"][i] for i in part], width),
-                advantages=pad_per_token([samples["advantages"][i] for i in part], width),
-                loss_mask=batch.loss_mask & torch.tensor([samples["sample_mask"][i] for i in part])[:, None],
+                behavior_logprobs=part.behavior_logprobs, advantages=part.advantages, loss_mask=part.loss_mask,
                 proximal_logprobs=logprobs.detach())
             compute_policy_loss(logprobs, inputs, cfg.algorithm, normalizer)[0].backward()
         return model.table.grad
@@ -230,7 +208,7 @@ def train_on_ranks(model_path: str, overrides: list[str]) -> tuple[dict, list[di
     samples = make_batch(8)
     group = LearnerGroup(cfg, model_path)
     try:
-        summed = group.train_step(samples, count_normalizer(response_mask(samples, list(range(8))), 16))
+        summed = group.train_step(samples, count_normalizer(samples.loss_mask, 16))
         packed = ray.get(group.publish_weights()["refs"][0])
     finally:
         group.shutdown()

@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from cluster.placement import PlacementError, check_plan, parse_node_spec, plan_placement
-from cluster.reference_stream import reward_kl, streamed_ref_logprobs
+from cluster.reference_stream import check_streamed_ref_logprobs, reward_kl
 from protocols.config import ConfigError, load_config
 from protocols.metrics import unknown_names
+from protocols.training_batch import TrainingBatch
 from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup
 
 
@@ -48,9 +49,12 @@ def test_group_takes_ref_logprobs_of_matching_shape_only():
     assert all(t.ref_logprobs is None for t in group.trajectories)  # a copy: the input is left as it was
     with pytest.raises(ValueError, match=r"group g0: reference log-probs of shape \[2, 2\]"):
         group.with_ref_logprobs([[-1.0, -2.0], [-3.0, -4.0]])
-    assert streamed_ref_logprobs(joined.trajectories) == [[-1.0, -2.0], [-3.0]]
+    check_streamed_ref_logprobs(joined.trajectories)
+    # the batch of the joined group carries them, padded: row 1 has one token
+    torch.testing.assert_close(TrainingBatch.from_trajectories(joined.trajectories).ref_logprobs,
+                               torch.tensor([[-1.0, -2.0], [-3.0, 0.0]]))
     with pytest.raises(RuntimeError, match=r"2 trajectories reached the learner without ref_logprobs \(groups \['g0'\]"):
-        streamed_ref_logprobs(group.trajectories)
+        check_streamed_ref_logprobs(group.trajectories)
 
 
 def test_reward_kl_is_k1_on_behavior_logprobs_in_decoupled_mode():
@@ -59,11 +63,12 @@ def test_reward_kl_is_k1_on_behavior_logprobs_in_decoupled_mode():
     # row 0: [-0.5 - (-1.0), -1.0 - (-1.0)] = [0.5, 0.0]; row 1: [-2.0 - (-1.5), pad] = [-0.5, 0.0]
     cfg = load_config(None, ["algorithm.preset=rloo"]).algorithm
     assert cfg.off_policy.mode == "decoupled" and cfg.kl.estimator == "k1"
-    mask = torch.tensor([[True, True], [True, False]])
-    kl = reward_kl([[-0.5, -1.0], [-2.0]], [[-1.0, -1.0], [-1.5]], mask, cfg)
+    batch = TrainingBatch.from_samples([[1], [1]], [[5, 6], [7]], [[-0.5, -1.0], [-2.0]],
+                                       ref_logprobs=[[-1.0, -1.0], [-1.5]])
+    kl = reward_kl(batch, cfg)
     torch.testing.assert_close(kl, torch.tensor([[0.5, 0.0], [-0.5, 0.0]]))
     # k3 on the same numbers: r = e^(ref - mu); row 0 token 0: e^-0.5 - 1 + 0.5 = 0.1065307
-    k3 = reward_kl([[-0.5, -1.0], [-2.0]], [[-1.0, -1.0], [-1.5]], mask, cfg.model_copy(
+    k3 = reward_kl(batch, cfg.model_copy(
         update={"kl": cfg.kl.model_copy(update={"estimator": "k3"})}))
     assert float(k3[0, 0]) == pytest.approx(0.1065307, rel=1e-6) and float(k3[0, 1]) == 0.0
 
@@ -75,17 +80,15 @@ def test_reference_forward_budget_needs_reference_workers():
 
 
 # --- the real actors ------------------------------------------------------------------------------------------------
-def _samples(num: int, seed: int = 0) -> dict:
+def _samples(num: int, seed: int = 0) -> TrainingBatch:
     g = torch.Generator().manual_seed(seed)
-    out = {"prompt_ids": [], "response_ids": [], "behavior_logprobs": [], "advantages": [], "sample_mask": []}
+    prompts, responses = [], []
     for i in range(num):
         length = 1 + i % 5  # ragged, so padding and micro-batch composition differ between the two paths
-        out["prompt_ids"].append([1, 3 + i % 10, 13, 3 + (i * 7) % 10, 14][: 3 + i % 3])
-        out["response_ids"].append(torch.randint(3, 13, (length,), generator=g).tolist())
-        out["behavior_logprobs"].append([-2.5] * length)
-        out["advantages"].append([1.0] * length)
-        out["sample_mask"].append(True)
-    return out
+        prompts.append([1, 3 + i % 10, 13, 3 + (i * 7) % 10, 14][: 3 + i % 3])
+        responses.append(torch.randint(3, 13, (length,), generator=g).tolist())
+    return TrainingBatch.from_samples(prompts, responses, [[-2.5] * len(r) for r in responses],
+                                      advantages=[[1.0] * len(r) for r in responses])
 
 
 @pytest.mark.slow
@@ -101,25 +104,26 @@ def test_reference_worker_matches_the_learners_reference_path(ray_cluster, tiny_
     learner = LearnerGroup(cfg, tiny_models["tied"])
     worker = ray.remote(ReferenceWorker).options(num_cpus=1).remote(cfg, 0, tiny_models["tied"])
     try:
-        expected = learner.ref_logprobs(samples)  # the in-learner reference: one micro-batch of all 8
+        # the in-learner reference: one micro-batch of all 8
+        expected = samples.per_sample_rows(learner.ref_logprobs(samples))
         # the stream scores groups of 4 separately (other padding widths): the numbers must not depend on it
         got = []
         for start in (0, 4):
             group = TrajectoryGroup(group_id=f"g{start}", trajectories=[
-                _trajectory(f"g{start}", i, samples["response_ids"][start + i], samples["behavior_logprobs"][start + i])
-                .model_copy(update={"prompt": Prompt(prompt_id="p", prompt_token_ids=samples["prompt_ids"][start + i])})
+                _trajectory(f"g{start}", i, samples.response(start + i), [-2.5] * len(samples.response(start + i)))
+                .model_copy(update={"prompt": Prompt(prompt_id="p", prompt_token_ids=samples.prompt_ids[start + i])})
                 for i in range(4)])
             got.extend(ray.get(worker.score_group.remote(group)))
         stats = ray.get(worker.stats.remote())
     finally:
         ray.kill(worker)
         learner.shutdown()
-    assert [len(r) for r in got] == [len(r) for r in samples["response_ids"]]
+    assert [len(r) for r in got] == samples.response_lengths.tolist()
     gap = max(abs(a - b) for row_a, row_b in zip(got, expected) for a, b in zip(row_a, row_b))
     assert gap <= 1e-5, gap
     assert all(v < 0 for row in got for v in row)  # log-probs of a 15-symbol vocabulary, none certain
     assert stats["groups"] == 2 and stats["samples"] == 8
-    assert stats["tokens"] == sum(len(p) + len(r) for p, r in zip(samples["prompt_ids"], samples["response_ids"]))
+    assert stats["tokens"] == sum(samples.sample_tokens())
 
 
 def test_reference_forward_budget_changes_the_forwards_not_the_numbers(tiny_models):
@@ -130,13 +134,13 @@ def test_reference_forward_budget_changes_the_forwards_not_the_numbers(tiny_mode
     settings = ["algorithm.preset=grpo", "model.dtype=float32", "learner.micro_batch_size=2",
                 "reference.num_workers=1"]
     samples = _samples(12, seed=3)
-    assert max(len(p) + len(r) for p, r in zip(samples["prompt_ids"], samples["response_ids"])) <= 10
+    assert max(samples.sample_tokens()) <= 10
     learners = ReferenceWorker(load_config(None, settings), 0, tiny_models["tied"])
     own = ReferenceWorker(load_config(None, [*settings, "reference.max_tokens_per_micro_batch=128"]), 0,
                           tiny_models["tied"])
-    expected, got = learners.score_samples(samples), own.score_samples(samples)
+    expected, got = learners.score_batch(samples), own.score_batch(samples)
     assert learners.stats()["micro_batches"] == 6 and own.stats()["micro_batches"] == 1
-    assert [len(r) for r in got] == [len(r) for r in samples["response_ids"]]
+    assert [len(r) for r in got] == samples.response_lengths.tolist()
     # padding never reaches a real position, so the numbers match whatever the batch (fp32)
     gap = max(abs(a - b) for row_a, row_b in zip(got, expected) for a, b in zip(row_a, row_b))
     assert gap <= 1e-5, gap

@@ -17,6 +17,7 @@ from learner.sequence_parallel import (
 )
 from learner.ulysses_attention import check_heads_split, packed_causal_mask
 from protocols.config import ConfigError, load_config
+from protocols.training_batch import TrainingBatch
 
 # --- groups and config ------------------------------------------------------------------------------------------
 
@@ -79,7 +80,8 @@ def test_heads_must_split_over_the_sp_ranks():
 
 def _one_sample_row():
     # prompt [5, 6], response [7, 8, 9], pad 0, padded to a multiple of 2: 5 tokens -> 6 columns
-    return pack_row([[5, 6]], [[7, 8, 9]], pad_id=0, per_token={"advantages": [[0.5, 0.25, -1.0]]}, multiple_of=2)
+    return pack_row(TrainingBatch.from_samples([[5, 6]], [[7, 8, 9]], advantages=[[0.5, 0.25, -1.0]]), pad_id=0,
+                    per_token=("advantages",), multiple_of=2)
 
 
 def test_pack_row_puts_each_response_token_at_the_column_predicting_it():
@@ -114,7 +116,7 @@ def test_shard_boundary_last_column_predicts_first_token_of_next_slice():
 
 def test_packed_row_restarts_positions_and_never_predicts_across_samples():
     # sample 0: prompt [1], response [2, 3]; sample 1: prompt [4, 5], response [6]; 6 tokens padded to 8
-    row = pack_row([[1], [4, 5]], [[2, 3], [6]], pad_id=0, multiple_of=4)
+    row = pack_row(TrainingBatch.from_samples([[1], [4, 5]], [[2, 3], [6]]), pad_id=0, multiple_of=4)
     assert row.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 0, 0]]
     assert row.position_ids.tolist() == [[0, 1, 2, 0, 1, 2, 3, 4]]
     # column 2 (token 3, sample 0's last) must not predict token 4 of sample 1
@@ -125,8 +127,9 @@ def test_packed_row_restarts_positions_and_never_predicts_across_samples():
 
 
 def test_slices_concatenate_back_to_the_row():
-    row = pack_row([[1, 2, 3], [4]], [[5, 6, 7, 8], [9, 10]], pad_id=0, multiple_of=6,
-                   per_token={"advantages": [[1.0, 2.0, 3.0, 4.0], [5.0, 6.0]]})
+    row = pack_row(TrainingBatch.from_samples([[1, 2, 3], [4]], [[5, 6, 7, 8], [9, 10]],
+                                              advantages=[[1.0, 2.0, 3.0, 4.0], [5.0, 6.0]]),
+                   pad_id=0, per_token=("advantages",), multiple_of=6)
     for sp_size in (1, 2, 3, 6):
         shards = [shard_row(row, r, sp_size) for r in range(sp_size)]
         for name in ("input_ids", "position_ids", "target_ids", "loss_mask", "sample_index"):
@@ -137,19 +140,19 @@ def test_slices_concatenate_back_to_the_row():
 
 
 def test_shard_row_refuses_a_row_that_does_not_split():
-    row = pack_row([[1, 2]], [[3]], pad_id=0)  # 3 columns
+    row = pack_row(TrainingBatch.from_samples([[1, 2]], [[3]]), pad_id=0)  # 3 columns
     with pytest.raises(ValueError, match="3 columns does not split over learner.sequence_parallel_size=2"):
         shard_row(row, 0, 2)
 
 
 def test_response_values_reads_per_sample_values_back():
-    row = pack_row([[1], [4, 5]], [[2, 3], [6]], pad_id=0, multiple_of=4)
+    row = pack_row(TrainingBatch.from_samples([[1], [4, 5]], [[2, 3], [6]]), pad_id=0, multiple_of=4)
     values = torch.arange(8, dtype=torch.float32)[None] * 10  # column c holds 10 c
-    assert response_values(values, row) == [[0.0, 10.0], [40.0]]
+    assert response_values(values, row, 2).tolist() == [[0.0, 10.0], [40.0, 0.0]]
 
 
 def test_per_sample_values_reach_every_column_of_the_sample_in_any_slice():
-    row = pack_row([[1], [4, 5]], [[2, 3], [6]], pad_id=0, multiple_of=4)  # sample_index [0, 0, 0, 1, 1, 1, -1, -1]
+    row = pack_row(TrainingBatch.from_samples([[1], [4, 5]], [[2, 3], [6]]), pad_id=0, multiple_of=4)  # sample_index [0, 0, 0, 1, 1, 1, -1, -1]
     sample_mask = torch.tensor([False, True])
     columns = per_sample_to_columns(shard_row(row, 1, 2), sample_mask)  # slice 1: columns 4-7
     assert columns.tolist() == [[True, True, False, False]]
@@ -160,7 +163,7 @@ def test_per_sample_values_reach_every_column_of_the_sample_in_any_slice():
 
 def test_pack_row_refuses_per_token_values_of_the_wrong_length():
     with pytest.raises(ValueError, match="`advantages` of sample 0 has 1 values for 2 response tokens"):
-        pack_row([[1]], [[2, 3]], pad_id=0, per_token={"advantages": [[1.0]]})
+        TrainingBatch.from_samples([[1]], [[2, 3]], advantages=[[1.0]])
 
 
 def test_packed_causal_mask_is_block_diagonal_causal():
@@ -269,7 +272,8 @@ def _torch_path_worker(rank: int, port: int, folders: dict[str, str], out_path: 
         model.train()
         if checkpointing:
             model.gradient_checkpointing_enable()
-        row = pack_row(prompts, responses, PAD, {"advantages": advantages}, multiple_of=groups.sp_size)
+        batch = TrainingBatch.from_samples(prompts, responses, advantages=advantages)
+        row = pack_row(batch, PAD, ("advantages",), multiple_of=groups.sp_size)
         shard = shard_row(row, groups.sp_rank, groups.sp_size)
         loss, logprobs = _sp_loss(model, shard, num_tokens)
         loss.backward()
@@ -278,7 +282,8 @@ def _torch_path_worker(rank: int, port: int, folders: dict[str, str], out_path: 
             dist.all_reduce(p.grad, group=groups.sp_group)
         total = loss.detach().clone()
         dist.all_reduce(total, group=groups.sp_group)
-        row_logprobs = response_values(gather_sequence(logprobs.detach(), groups.sp_group), row)
+        row_logprobs = batch.per_sample_rows(
+            response_values(gather_sequence(logprobs.detach(), groups.sp_group), row, batch.width))
         grads = {n: p.grad for n, p in model.named_parameters()}
         reference = _reference(baseline, prompts, responses, advantages, num_tokens)
         key = f"{model_name}/{case_name}" + ("/checkpointing" if checkpointing else "")
@@ -287,7 +292,7 @@ def _torch_path_worker(rank: int, port: int, folders: dict[str, str], out_path: 
         with torch.no_grad():
             model.eval()
             scored = sequence_parallel_logprobs(model, shard)
-        scored_rows = response_values(gather_sequence(scored, groups.sp_group), row)
+        scored_rows = batch.per_sample_rows(response_values(gather_sequence(scored, groups.sp_group), row, batch.width))
         results[key]["no_grad_logprob_diff"] = max(
             abs(a - b) for r, s in zip(scored_rows, reference[1]) for a, b in zip(r, s))
     if rank == 0:
@@ -356,7 +361,8 @@ def _deepspeed_worker(rank: int, world_size: int, port: int, folder: str, out_pa
     per_dp = [cases["one_sample"], cases["packed"]][: groups.dp_size]
     num_tokens = sum(len(r) for _, responses, _ in per_dp for r in responses)
     prompts, responses, advantages = per_dp[groups.dp_rank]
-    row = pack_row(prompts, responses, PAD, {"advantages": advantages}, multiple_of=groups.sp_size)
+    row = pack_row(TrainingBatch.from_samples(prompts, responses, advantages=advantages), PAD, ("advantages",),
+                       multiple_of=groups.sp_size)
     shard = shard_row(row, groups.sp_rank, groups.sp_size)
     loss, _ = _sp_loss(engine.module, shard, num_tokens)
     engine.backward(loss * deepspeed_loss_scale(groups))

@@ -34,11 +34,11 @@ def packed_weights(group) -> dict[str, torch.Tensor]:
     return {k: torch.from_numpy(v.copy()) for k, (_, v) in packed.items()}
 
 
-def shifted_ref(samples: dict, seed: int) -> list[list[float]]:
+def shifted_ref(batch, seed: int) -> torch.Tensor:
     # A reference that differs from the policy by about 0.3 nats a token: the KL and its gradient are far from 0 in
     # the first step already (with the initial model as reference both are 0 there).
     g = torch.Generator().manual_seed(seed)
-    return [(-2.7 + 0.3 * torch.randn(len(r), generator=g)).tolist() for r in samples["response_ids"]]
+    return torch.where(batch.token_mask, -2.7 + 0.3 * torch.randn(batch.response_ids.shape, generator=g), 0.0)
 
 
 def one_streamed_step(model_path: str, overrides: list[str]) -> tuple[dict, dict]:
@@ -46,7 +46,7 @@ def one_streamed_step(model_path: str, overrides: list[str]) -> tuple[dict, dict
 
     cfg = grpo_config(["algorithm.kl.beta=0.5", *STREAMED, *PACKED, *overrides])
     batch = make_batch(8, 12, 3)
-    batch["ref_logprobs"] = shifted_ref(batch, 7)
+    batch = batch.with_fields(ref_logprobs=shifted_ref(batch, 7))
     group = LearnerGroup(cfg, model_path)
     try:
         held = ray.get([rank.__ray_call__.remote(lambda r: r.ref_model is None) for rank in group.ranks])
@@ -81,8 +81,7 @@ def test_streamed_reference_with_sp_matches_the_reference_model_in_the_learner(r
     group = LearnerGroup(cfg, path)
     try:
         # before the first step the policy is the reference: score every batch with it now
-        for batch in (first, second):
-            batch["ref_logprobs"] = group.policy_logprobs(batch)
+        first, second = (b.with_fields(ref_logprobs=group.policy_logprobs(b)) for b in (first, second))
         out = {"ref": group.policy_logprobs(probe)}
         step1 = group.train_step(first, normalizer(first))
         metrics = {"first_loss": step1["loss"], **group.train_step(second, normalizer(second))}

@@ -7,30 +7,29 @@ import torch
 
 from learner.objective import count_normalizer
 from protocols.config import load_config
+from protocols.training_batch import TrainingBatch
 
 pytestmark = pytest.mark.slow
 
 
-def make_batch(num_samples: int, max_len: int, seed: int) -> dict:
+def make_batch(num_samples: int, max_len: int, seed: int) -> TrainingBatch:
     # Ragged lengths (1 .. max_len) so micro-batches hold different token counts and token_mean needs the
     # global normalizer.
     g = torch.Generator().manual_seed(seed)
-    samples = {"prompt_ids": [], "response_ids": [], "behavior_logprobs": [], "advantages": [], "sample_mask": []}
+    prompts, responses, behavior, advantages = [], [], [], []
     for i in range(num_samples):
         length = 1 + int(torch.randint(0, max_len, (1,), generator=g))
-        samples["prompt_ids"].append([1, 3 + i % 10, 13, 3 + (i * 7) % 10, 14][: 2 + i % 4])
-        samples["response_ids"].append(torch.randint(3, 13, (length,), generator=g).tolist())
-        samples["behavior_logprobs"].append((-2.5 + 0.1 * torch.randn(length, generator=g)).tolist())
-        samples["advantages"].append([1.0 if i % 2 else -1.0] * length)
-        samples["sample_mask"].append(i != 5)  # one masked sample: it counts in no normalizer
-    return samples
+        prompts.append([1, 3 + i % 10, 13, 3 + (i * 7) % 10, 14][: 2 + i % 4])
+        responses.append(torch.randint(3, 13, (length,), generator=g).tolist())
+        behavior.append((-2.5 + 0.1 * torch.randn(length, generator=g)).tolist())
+        advantages.append([1.0 if i % 2 else -1.0] * length)
+    # one masked sample: it counts in no normalizer
+    return TrainingBatch.from_samples(prompts, responses, behavior, advantages=advantages,
+                                      sample_mask=[i != 5 for i in range(num_samples)])
 
 
-def normalizer(samples: dict):
-    lengths = torch.tensor([len(r) for r in samples["response_ids"]])
-    mask = torch.arange(int(lengths.max()))[None] < lengths[:, None]
-    mask &= torch.tensor(samples["sample_mask"])[:, None]
-    return count_normalizer(mask, 16)
+def normalizer(batch: TrainingBatch):
+    return count_normalizer(batch.loss_mask, 16)
 
 
 def run_two_steps(model_path: str, overrides: list[str]) -> tuple[list[dict], dict]:

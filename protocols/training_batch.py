@@ -1,0 +1,206 @@
+"""The training batch: one typed record of a step's samples, built once by the driver from the scored groups.
+
+Everything on the way from the replay queue to the gradient reads it: shaping, the KL in the reward, advantages
+and GAE, the loss normalizers, the plan over ranks and micro-batches, collate and packing, sequence parallelism,
+the policy and value losses. `loss_mask` is the one rule of which tokens train: 1 on tokens the engine sampled
+in a kept sample; 0 on padding, on tool output (context only) and on samples the shaping dropped. No consumer
+re-derives it from lengths. Per-token tensors are `(B, T)` over response positions, padded once here; a shard
+or micro-batch is `select(indices)`. Pure torch: it pickles through Ray and saves with `save`/`load`.
+"""
+
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+PER_TOKEN = ("response_ids", "loss_mask", "behavior_logprobs", "token_versions", "advantages", "ref_logprobs",
+             "values", "returns", "proximal_logprobs")
+"""The `(B, T)` fields; `select` trims them to the selected samples' longest response."""
+
+PER_SAMPLE = ("response_lengths", "sample_mask", "rewards", "truncated")
+"""The `(B,)` fields."""
+
+
+@dataclass
+class TrainingBatch:
+    """B samples (whole groups from the queue, or a shard or micro-batch of them). Who produced each field is in
+    its name: `behavior_logprobs` by vLLM at sampling, `ref_logprobs` by the frozen reference, `values` by the
+    critic, `advantages`/`returns` by the driver, `proximal_logprobs` by the learner before the update."""
+
+    prompt_ids: list[list[int]]
+    """Token ids of each prompt (ragged; a packed or padded layout is built from them per micro-batch)."""
+    response_ids: Tensor
+    """(B, T) long: every response token in order, model and tool tokens alike; 0 past the response's end."""
+    response_lengths: Tensor
+    """(B,) long: response tokens of each sample (what the model reads as context after the prompt)."""
+    loss_mask: Tensor
+    """(B, T) bool: True on tokens that train, i.e. sampled by the engine, in a sample `sample_mask` keeps."""
+    behavior_logprobs: Tensor
+    """(B, T) float32: log mu(token) from vLLM when it sampled the token; 0 off the engine's tokens."""
+    token_versions: Tensor
+    """(B, T) long: policy version that sampled each token; -1 off the engine's tokens."""
+    sample_mask: Tensor
+    """(B,) bool: False for samples dropped from the loss (e.g. truncated ones with algorithm.mask_truncated)."""
+    rewards: Tensor
+    """(B,) float32: the verifier's reward (before the algorithm's shaping)."""
+    truncated: Tensor
+    """(B,) bool: the response hit rollout.max_response_tokens (finish reason `length`)."""
+    advantages: Tensor | None = None
+    """(B, T) float32, set by the driver (learner/objective.py compute_advantages)."""
+    ref_logprobs: Tensor | None = None
+    """(B, T) float32 log pi_ref(token): streamed by reference workers, or scored once by the learner group."""
+    values: Tensor | None = None
+    """(B, T) float32 V(state before each token), stamped by a critic worker in the stream (PPO)."""
+    returns: Tensor | None = None
+    """(B, T) float32 GAE returns, the critic's regression targets (PPO)."""
+    proximal_logprobs: Tensor | None = None
+    """(B, T) float32: the policy's log-probs before the batch's first update (several updates per batch)."""
+
+    def __post_init__(self) -> None:
+        b, t = self.response_ids.shape
+        if len(self.prompt_ids) != b:
+            raise ValueError(f"TrainingBatch: {len(self.prompt_ids)} prompts for {b} responses")
+        for name in PER_TOKEN:
+            value = getattr(self, name)
+            if value is not None and tuple(value.shape) != (b, t):
+                raise ValueError(f"TrainingBatch.{name} has shape {tuple(value.shape)}, expected {(b, t)}")
+        for name in PER_SAMPLE:
+            if tuple(getattr(self, name).shape) != (b,):
+                raise ValueError(f"TrainingBatch.{name} has shape {tuple(getattr(self, name).shape)}, expected {(b,)}")
+        if bool((self.loss_mask & ~self.token_mask).any()):
+            raise ValueError("TrainingBatch.loss_mask is True past a response's end: only response tokens train")
+
+    # --- building -------------------------------------------------------------------------------------------------
+    @classmethod
+    def from_samples(cls, prompt_ids: list[list[int]], response_ids: list[list[int]],
+                     behavior_logprobs: list[list[float]] | None = None, *,
+                     model_token_mask: list[list[bool]] | None = None, token_versions: list[list[int]] | None = None,
+                     sample_mask: list[bool] | None = None, rewards: list[float] | None = None,
+                     truncated: list[bool] | None = None, **per_token: list[list[float]] | None) -> "TrainingBatch":
+        """A batch from ragged per-sample lists, padded once. `model_token_mask`: True on tokens the engine
+        sampled (default: every response token); `loss_mask` is that AND `sample_mask`. `per_token`: optional
+        (advantages, ref_logprobs, values, returns, proximal_logprobs), one list per sample, one value a token."""
+        n = len(response_ids)
+        lengths = torch.tensor([len(r) for r in response_ids], dtype=torch.long)
+        width = max(1, int(lengths.max())) if n else 1
+        model_tokens = (_pad([[bool(x) for x in m] for m in model_token_mask], width, torch.bool)
+                        if model_token_mask is not None else torch.arange(width)[None, :] < lengths[:, None])
+        keep = torch.tensor(sample_mask if sample_mask is not None else [True] * n, dtype=torch.bool)
+        unknown = set(per_token) - {"advantages", "ref_logprobs", "values", "returns", "proximal_logprobs"}
+        if unknown:
+            raise TypeError(f"TrainingBatch.from_samples got unknown per-token fields {sorted(unknown)}")
+        ragged = {"behavior_logprobs": behavior_logprobs, "model_token_mask": model_token_mask,
+                  "token_versions": token_versions, **per_token}
+        for name, rows in ragged.items():
+            for i, row in enumerate(rows or []):
+                if len(row) != len(response_ids[i]):
+                    raise ValueError(f"per-token `{name}` of sample {i} has {len(row)} values for "
+                                     f"{len(response_ids[i])} response tokens")
+        return cls(
+            prompt_ids=[list(p) for p in prompt_ids],
+            response_ids=_pad(response_ids, width, torch.long),
+            response_lengths=lengths,
+            loss_mask=model_tokens & keep[:, None],
+            behavior_logprobs=(_pad(behavior_logprobs, width, torch.float32) if behavior_logprobs is not None
+                               else torch.zeros((n, width))),
+            token_versions=(_pad(token_versions, width, torch.long, fill=-1) if token_versions is not None
+                            else torch.where(model_tokens, 0, -1)),
+            sample_mask=keep,
+            rewards=torch.tensor(rewards if rewards is not None else [0.0] * n, dtype=torch.float32),
+            truncated=torch.tensor(truncated if truncated is not None else [False] * n, dtype=torch.bool),
+            **{k: _pad(v, width, torch.float32) for k, v in per_token.items() if v is not None},
+        )
+
+    @classmethod
+    def from_trajectories(cls, trajectories: list) -> "TrainingBatch":
+        """The batch of scored `protocols.trajectory.Trajectory` records, in order: which tokens the engine
+        sampled comes from each trajectory's own `loss_mask`; `ref_logprobs` and `values` are taken when every
+        trajectory carries them (reference and critic workers stamp them in the stream)."""
+        def every(name: str) -> list | None:
+            rows = [getattr(t, name) for t in trajectories]
+            return None if any(r is None for r in rows) else rows
+
+        return cls.from_samples(
+            [t.prompt.prompt_token_ids for t in trajectories], [t.response_token_ids for t in trajectories],
+            [t.behavior_logprobs for t in trajectories], model_token_mask=[t.loss_mask for t in trajectories],
+            token_versions=[t.token_versions for t in trajectories], rewards=[t.reward for t in trajectories],
+            truncated=[t.finish_reason == "length" for t in trajectories],
+            ref_logprobs=every("ref_logprobs"), values=every("values"))
+
+    # --- reading --------------------------------------------------------------------------------------------------
+    @property
+    def num_samples(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def width(self) -> int:
+        """T: the longest response (at least 1, so an all-empty batch still has a column)."""
+        return int(self.response_ids.shape[1])
+
+    @property
+    def token_mask(self) -> Tensor:
+        """(B, T) bool: True on every response token, model or tool; the layout, not what trains."""
+        return torch.arange(self.width, device=self.response_lengths.device)[None, :] < self.response_lengths[:, None]
+
+    def sample_tokens(self) -> list[int]:
+        """Prompt + response tokens of each sample: what a micro-batch's token budget counts."""
+        return [len(p) + int(n) for p, n in zip(self.prompt_ids, self.response_lengths.tolist())]
+
+    def response(self, i: int) -> list[int]:
+        """Sample i's response token ids."""
+        return self.response_ids[i, : int(self.response_lengths[i])].tolist()
+
+    def per_sample_rows(self, values: Tensor) -> list[list[float]]:
+        """A (B, T) tensor of this batch cut back to per-sample lists of response length."""
+        return [row[: int(n)].tolist() for row, n in zip(values.cpu(), self.response_lengths.tolist())]
+
+    # --- splitting ------------------------------------------------------------------------------------------------
+    def select(self, indices: list[int]) -> "TrainingBatch":
+        """The samples `indices`, in that order, their per-token fields trimmed to their longest response."""
+        index = torch.tensor(indices, dtype=torch.long)
+        lengths = self.response_lengths[index]
+        width = max(1, int(lengths.max())) if len(indices) else 1
+        update: dict = {"prompt_ids": [self.prompt_ids[i] for i in indices]}
+        for name in PER_TOKEN:
+            value = getattr(self, name)
+            update[name] = None if value is None else value[index, :width]
+        for name in PER_SAMPLE:
+            update[name] = getattr(self, name)[index]
+        return replace(self, **update)
+
+    def masked(self) -> "TrainingBatch":
+        """The same samples with nothing to train on: the stand-in a rank runs for a padding micro-batch, so its
+        collectives line up with the other ranks'."""
+        return replace(self, loss_mask=torch.zeros_like(self.loss_mask),
+                       sample_mask=torch.zeros_like(self.sample_mask))
+
+    def with_sample_mask(self, sample_mask: Tensor) -> "TrainingBatch":
+        """Drop the samples where `sample_mask` (B,) is False from the loss (reward shaping's rule)."""
+        keep = self.sample_mask & sample_mask.bool()
+        return replace(self, sample_mask=keep, loss_mask=self.loss_mask & keep[:, None])
+
+    def with_fields(self, **fields_: Tensor | None) -> "TrainingBatch":
+        """A copy with some fields replaced (e.g. advantages, ref_logprobs), checked like a new batch."""
+        return replace(self, **fields_)
+
+    def to(self, device: torch.device) -> "TrainingBatch":
+        """Tensors on `device` (the learner rank's)."""
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
+                                if torch.is_tensor(getattr(self, f.name))})
+
+    # --- disk -----------------------------------------------------------------------------------------------------
+    def save(self, path: str | Path) -> None:
+        torch.save({f.name: getattr(self, f.name) for f in fields(self)}, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "TrainingBatch":
+        return cls(**torch.load(path, weights_only=True))
+
+
+def _pad(rows: list[list], width: int, dtype: torch.dtype, fill: int | float = 0) -> Tensor:
+    out = torch.full((len(rows), width), fill, dtype=dtype)
+    for i, row in enumerate(rows):
+        if len(row):
+            out[i, : len(row)] = torch.tensor(row, dtype=dtype)
+    return out
