@@ -57,7 +57,7 @@ from benchmarks._plain_learner import run_plain  # noqa: E402
 # ------------------------------------------------------------------------------------------------- runners
 
 
-def run_ds(cfg, folder: Path, shard: dict, normalizer, port: int, warmup: int, steps: int, res: Result,
+def run_ds(cfg, folder: Path, shard, normalizer, port: int, warmup: int, steps: int, res: Result,
            publish: bool, publish_reps: int) -> dict | None:
     from learner.learner_actor import LearnerRank
     from learner.transport_object_store import pack_state_dict, packed_num_bytes
@@ -214,7 +214,6 @@ def main() -> int:
               "it measures the DeepSpeed learner in bf16 and has nothing to say on CPU.", file=sys.stderr)
         return 2
 
-    from learner.batch import collate
     from learner.objective import count_normalizer
     from protocols.config import load_config
 
@@ -262,8 +261,7 @@ def main() -> int:
                        for c in (args.configs if si == 0 else args.configs_large).split(",")]
             for resp_len, mb in configs:
                 shard = make_shard(args.samples_per_step, args.prompt_len, resp_len, args.vocab, seed=resp_len)
-                mask = collate(shard["prompt_ids"], shard["response_ids"], 0).loss_mask
-                normalizer = count_normalizer(mask, resp_len)
+                normalizer = count_normalizer(shard.loss_mask, resp_len)
                 for gc_on in gcs:
                     if time.perf_counter() - start > args.budget_s:
                         msg = f"# budget of {args.budget_s:.0f}s spent: skipped {shape} resp {resp_len} mb {mb} " \

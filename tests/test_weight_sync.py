@@ -23,17 +23,15 @@ def _sync_gap(ray_cluster, path: str, overrides: list[str]) -> tuple[float, floa
     worker = ray.remote(RolloutWorker).options(num_cpus=1).remote(cfg, 0, path)
     try:
         learner.join_weight_group([worker])  # nothing to join for object_store
-        samples = make_batch(8, seed=3)
-        fixed = {"prompt_ids": samples["prompt_ids"], "response_ids": samples["response_ids"]}
-        before = ray.get(worker.sequence_logprobs.remote(fixed["prompt_ids"], fixed["response_ids"]))
-        lengths = torch.tensor([len(r) for r in samples["response_ids"]])
-        mask = torch.arange(int(lengths.max()))[None] < lengths[:, None]
-        learner.train_step(samples, count_normalizer(mask, cfg.rollout.max_response_tokens))
+        batch = make_batch(8, seed=3)
+        responses = [batch.response(i) for i in range(batch.num_samples)]
+        before = ray.get(worker.sequence_logprobs.remote(batch.prompt_ids, responses))
+        learner.train_step(batch, count_normalizer(batch.loss_mask, cfg.rollout.max_response_tokens))
         published = learner.publish_weights(1)
         ray.get(worker.load_weights.remote(1, published["refs"]))
         assert ray.get(worker.get_version.remote()) == 1
-        after_vllm = ray.get(worker.sequence_logprobs.remote(fixed["prompt_ids"], fixed["response_ids"]))
-        after_learner = learner.policy_logprobs(fixed)
+        after_vllm = ray.get(worker.sequence_logprobs.remote(batch.prompt_ids, responses))
+        after_learner = batch.per_sample_rows(learner.policy_logprobs(batch))
     finally:
         learner.shutdown()
         ray.kill(worker)
