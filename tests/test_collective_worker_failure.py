@@ -43,6 +43,7 @@ def test_killed_rollout_worker_rejoins_the_collective_weight_group(ray_cluster, 
     before any health check can (the supervisor replaces it and sends the version again). after_a_publish: killed
     once version 5 is announced (the driver waits meanwhile), so the driver's next health check finds it first."""
     from cluster.trainer import Trainer
+    from protocols.training_batch import TrainingBatch
     from tests.test_pipeline import demo_config
 
     # bucket_mb=1: the demo model (about 1.7 MB of fp32) goes in two buckets per broadcast
@@ -83,7 +84,8 @@ def test_killed_rollout_worker_rejoins_the_collective_weight_group(ray_cluster, 
         version = ray.get(replacement.get_version.remote())
         probe = {"prompt_ids": [[1, 3, 13, 4, 14], [1, 5, 13, 9, 14]], "response_ids": [[5, 7, 2], [3, 3, 8, 2]]}
         engine = ray.get(replacement.sequence_logprobs.remote(probe["prompt_ids"], probe["response_ids"]))
-        learner = trainer.learner.policy_logprobs(probe)
+        batch = TrainingBatch.from_samples(probe["prompt_ids"], probe["response_ids"])
+        learner = batch.per_sample_rows(trainer.learner.policy_logprobs(batch))
         survivor = ray.get(trainer.rollout_workers[1].sequence_logprobs.remote(probe["prompt_ids"],
                                                                                 probe["response_ids"]))
     finally:

@@ -10,6 +10,7 @@ import ray
 import torch
 
 from protocols.config import load_config
+from protocols.training_batch import TrainingBatch
 
 pytestmark = pytest.mark.slow
 
@@ -34,13 +35,13 @@ def build_talkative_model(folder: Path) -> str:
     return path
 
 
-def synthetic_batch(num_samples: int, response_len: int) -> dict:
+def synthetic_batch(num_samples: int, response_len: int) -> TrainingBatch:
     g = torch.Generator().manual_seed(response_len)
-    return {"prompt_ids": [[1, 3, 4, 13] for _ in range(num_samples)],
-            "response_ids": torch.randint(3, 13, (num_samples, response_len), generator=g).tolist(),
-            "behavior_logprobs": [[-1.0] * response_len for _ in range(num_samples)],
-            "advantages": [[1.0 if i % 2 else -1.0] * response_len for i in range(num_samples)],
-            "sample_mask": [True] * num_samples}
+    return TrainingBatch.from_samples(
+        [[1, 3, 4, 13] for _ in range(num_samples)],
+        torch.randint(3, 13, (num_samples, response_len), generator=g).tolist(),
+        [[-1.0] * response_len for _ in range(num_samples)],
+        advantages=[[1.0 if i % 2 else -1.0] * response_len for i in range(num_samples)])
 
 
 def test_long_rollouts_train_with_partial_rollouts_and_flat_learner_memory(ray_cluster, tmp_path):
@@ -69,8 +70,7 @@ def test_long_rollouts_train_with_partial_rollouts_and_flat_learner_memory(ray_c
         peaks = {}
         for length in (200, 2400):
             batch = synthetic_batch(8, length)
-            mask = torch.ones(8, length, dtype=torch.bool)
-            metrics = trainer.learner.train_step(batch, count_normalizer(mask, MAX_RESPONSE))
+            metrics = trainer.learner.train_step(batch, count_normalizer(batch.loss_mask, MAX_RESPONSE))
             peaks[length] = metrics["learner/peak_gib_max"]
             assert metrics["learner/effective_token_frac"] == 1.0
     finally:

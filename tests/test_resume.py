@@ -276,10 +276,8 @@ def test_learner_state_on_two_ranks_loads_into_a_new_group_that_continues_like_t
                              "algorithm.preset=dapo"])
 
     def step(group: LearnerGroup, seed: int) -> None:
-        samples = make_batch(8, seed)
-        lengths = torch.tensor([len(r) for r in samples["response_ids"]])
-        group.train_step(samples, count_normalizer(torch.arange(int(lengths.max()))[None] < lengths[:, None],
-                                                   cfg.rollout.max_response_tokens))
+        batch = make_batch(8, seed)
+        group.train_step(batch, count_normalizer(batch.loss_mask, cfg.rollout.max_response_tokens))
 
     def weights(group: LearnerGroup) -> dict:
         packed = ray.get(group.publish_weights()["refs"][0])
