@@ -1,4 +1,5 @@
-"""The critic group: critic.num_workers DeepSpeed value-model ranks as Ray actors (actors/critic_worker.py).
+"""The critic group: critic.num_workers DeepSpeed value-model ranks as Ray actors (actors/critic_worker.py), a
+RankGroup (cluster/rank_group.py) as the policy's learner group is.
 
 The driver trains them together once per step (`start_train` right before the policy learner's step, `finish`
 after it, so both run at once) on the GAE returns of the batch; the rollout workers use the same actors one at a
@@ -18,7 +19,7 @@ import torch
 from actors.critic_worker import CriticWorker
 from cluster import checkpoint
 from cluster.learner_failure import dead_ranks
-from cluster.learner_group import rendezvous_address
+from cluster.rank_group import RankGroup
 from cluster.placement import Placement
 from learner.micro_batches import sample_count_micro_batches
 from learner.objective import gae_targets
@@ -123,16 +124,11 @@ class CriticGroup:
         from `module_state` (an object ref of full weights) or the model folder; within fault.worker_start_timeout_s."""
         cfg, n = self.cfg, self.cfg.critic.num_workers
         limit = cfg.fault.worker_start_timeout_s
-        self.ranks = [ray.remote(CriticWorker).options(**critic_options(cfg, self.placement, r)).remote(
-            cfg, r, n, self.model_path) for r in range(n)]
-        one_node = self.placement is None or len(set(self.placement.bundle_nodes("critic"))) == 1
-        try:
-            master, port = ray.get(self.ranks[0].__ray_call__.remote(rendezvous_address, one_node), timeout=limit)
-            ray.get([rank.setup.remote(master, port, module_state, version) for rank in self.ranks], timeout=limit)
-            self.all_actor_ids += ray.get([rank.actor_id.remote() for rank in self.ranks], timeout=limit)
-        except ray.exceptions.GetTimeoutError as err:
-            raise TimeoutError(f"the critic ranks did not start within fault.worker_start_timeout_s={limit}; raise "
-                               "it, or check that their placement bundles' resources were freed") from err
+        self.group = RankGroup(CriticWorker, "critic", cfg, self.model_path,
+                               [critic_options(cfg, self.placement, r) for r in range(n)],
+                               setup_args=(module_state, version), placement=self.placement, start_timeout_s=limit)
+        self.ranks = self.group.ranks
+        self.all_actor_ids += ray.get(self.group.call("actor_id"), timeout=limit)
 
     def dead_rank(self) -> tuple[int, BaseException] | None:
         """(rank, error) of a critic rank that died, or None; never blocks (one ping in flight per rank). The
@@ -188,13 +184,13 @@ class CriticGroup:
             ray.kill(rank)
         self._start(state_ref, self.version)
         if folder is not None and folder.is_dir():
-            saved = ray.get([rank.load_state.remote(str(folder)) for rank in self.ranks], timeout=limit)[0]
+            saved = ray.get(self.group.call("load_state", str(folder)), timeout=limit)[0]
             source = (f"the newest checkpoint's critic {folder} (version {saved}, Adam moments included); lost: the "
                       f"{max(self.version - saved, 0)} updates since it")
         elif state_ref is None:
             source = (f"its initial weights {self.model_path}; lost: all {self.version} updates and the Adam "
                       "moments (no rank survived and the run has no checkpoint with a critic)")
-        ray.get([rank.set_version.remote(self.version) for rank in self.ranks], timeout=limit)
+        ray.get(self.group.call("set_version", self.version), timeout=limit)
         log.warning("critic group restarted after rank %d died; weights from %s; version stays %d", dead, source,
                     self.version)
         return source
@@ -221,8 +217,7 @@ class CriticGroup:
         returns_var = float(flat.var(unbiased=False)) if flat.numel() else 0.0
         if num_tokens == 0:  # nothing to fit (every sample masked): no update, the version stays
             return [], returns_var
-        refs = [rank.train_step.remote(batch.select(idx), num_tokens, count)
-                for rank, idx in zip(self.ranks, parts)]
+        refs = self.group.call_each("train_step", [((batch.select(idx), num_tokens, count), {}) for idx in parts])
         return refs, returns_var
 
     def finish(self, started) -> dict[str, float]:
@@ -275,15 +270,14 @@ class CriticGroup:
 
     def save_state(self, folder: str) -> int:
         """Every rank writes its part of a DeepSpeed checkpoint under `folder` (shared by all ranks); the version."""
-        return ray.get([rank.save_state.remote(folder) for rank in self.ranks])[0]
+        return ray.get(self.group.call("save_state", folder))[0]
 
     def load_state(self, folder: str) -> int:
-        self.version = ray.get([rank.load_state.remote(folder) for rank in self.ranks])[0]
+        self.version = ray.get(self.group.call("load_state", folder))[0]
         return self.version
 
     def save(self, folder: str) -> str:
-        return ray.get([rank.save.remote(folder) for rank in self.ranks])[0]
+        return ray.get(self.group.call("save", folder))[0]
 
     def shutdown(self) -> None:
-        for rank in self.ranks:
-            ray.kill(rank)
+        self.group.shutdown()

@@ -17,10 +17,10 @@ class LearnerRankLost(RuntimeError):
     """A learner rank's actor died; the message names the rank, its node and what it was doing."""
 
 
-def _node_of(placement, rank: int) -> str:
-    """'node <id> (<ip>)' of learner rank `rank`'s bundle, or 'an unknown node' when Ray no longer says."""
+def _node_of(placement, rank: int, role: str = "learner") -> str:
+    """'node <id> (<ip>)' of rank `rank`'s bundle of `role`, or 'an unknown node' when Ray no longer says."""
     try:
-        node_id = placement.bundle_nodes("learner")[rank]
+        node_id = placement.bundle_nodes(role)[rank]
         ips = {n["NodeID"]: n.get("NodeManagerAddress", "?") for n in ray.nodes()}
         return f"node {node_id} ({ips.get(node_id, 'address unknown')})"
     except (KeyError, IndexError, AttributeError, ray.exceptions.RayError):
@@ -41,18 +41,19 @@ def dead_ranks(ranks: list) -> list[int]:
     return dead
 
 
-def _lost(ranks: list, placement, what: str, cause: BaseException | None) -> LearnerRankLost | None:
+def _lost(ranks: list, placement, what: str, cause: BaseException | None,
+          role: str = "learner") -> LearnerRankLost | None:
     dead = dead_ranks(ranks)
     if not dead:
         return None
-    names = ", ".join(f"rank {r} on {_node_of(placement, r)}" for r in dead)
+    names = ", ".join(f"rank {r} on {_node_of(placement, r, role)}" for r in dead)
     return LearnerRankLost(
-        f"learner {names} died during {what}; the run stops (DeepSpeed ranks cannot be replaced one at a time). "
+        f"{role} {names} died during {what}; the run stops (DeepSpeed ranks cannot be replaced one at a time). "
         f"Nothing was written after the failure: resume from the newest checkpoint under <output_dir>/checkpoints "
         f"(`relayrl train --resume RUN_DIR`). Cause: {type(cause).__name__ if cause else 'unknown'}: {cause}")
 
 
-def gather_ranks(refs: list, ranks: list, placement, what: str, timeout_s: float) -> list:
+def gather_ranks(refs: list, ranks: list, placement, what: str, timeout_s: float, role: str = "learner") -> list:
     """ray.get of one call per rank (in rank order), waiting at most `timeout_s` (fault.learner_timeout_s) in all.
     A failure is checked at once, not after the other ranks (they may sit in a collective with the dead one)."""
     deadline = time.monotonic() + timeout_s
@@ -60,16 +61,16 @@ def gather_ranks(refs: list, ranks: list, placement, what: str, timeout_s: float
     while pending:
         ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
-            lost = _lost(ranks, placement, what, None)
+            lost = _lost(ranks, placement, what, None, role)
             if lost is not None:
                 raise lost
             raise TimeoutError(
-                f"learner {what} did not finish on every rank within fault.learner_timeout_s={timeout_s}; raise it "
+                f"{role} {what} did not finish on every rank within fault.learner_timeout_s={timeout_s}; raise it "
                 "if steps are this long, or look for a rank stuck in a collective")
         try:
             ray.get(ready[0])
         except ray.exceptions.RayError as err:
-            lost = _lost(ranks, placement, what, err)
+            lost = _lost(ranks, placement, what, err, role)
             if lost is not None:
                 raise lost from err
             raise

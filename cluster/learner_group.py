@@ -1,4 +1,4 @@
-"""The learner group: N DeepSpeed ranks as Ray actors, driven together.
+"""The learner group: N DeepSpeed ranks as Ray actors (a RankGroup, cluster/rank_group.py), driven together.
 
 Every call fans out to all ranks at once (DeepSpeed collectives need every rank), with the TrainingBatch split
 by one plan (learner/batch_plan.py) into shards of about equal token counts and their micro-batches, the same
@@ -7,10 +7,7 @@ learner.sequence_parallel_size = sp > 1 the batch is split over the num_ranks / 
 r of one group (r // sp equal) get the same shard, and scores come back from the group's first rank.
 """
 
-import socket
-
 import ray
-
 import torch
 
 from learner.batch_plan import BatchPlan, plan_batch
@@ -20,20 +17,9 @@ from learner.update_plan import combine_updates, mini_batch_order
 from learner.weight_backends import weight_backend
 from protocols.config import RunConfig
 from protocols.training_batch import TrainingBatch
-from cluster.learner_failure import gather_ranks
 from cluster.placement import Placement, create_placement
+from cluster.rank_group import RankGroup
 from cluster.ray_setup import learner_options
-
-
-def rendezvous_address(_rank0, all_on_one_node: bool) -> tuple[str, int]:
-    """Runs inside rank 0's actor: a free port on its own node (a port free on the driver's node may be taken
-    there), and its address, or loopback when every rank shares the node."""
-    import ray
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    return ("127.0.0.1" if all_on_one_node else ray.util.get_node_ip_address()), port
 
 
 def merge_rows(batch: TrainingBatch, plan: BatchPlan, results: list[torch.Tensor]) -> torch.Tensor:
@@ -52,19 +38,16 @@ class LearnerGroup:
         self.cfg = cfg
         self._own_placement = placement is None
         self.placement = placement or create_placement(cfg, roles=("learner",))
-        n = cfg.learner.num_ranks
-        self.ranks = [ray.remote(LearnerRank).options(**learner_options(cfg, self.placement, r)).remote(
-            cfg, r, n, model_path) for r in range(n)]
-        one_node = len(set(self.placement.bundle_nodes("learner"))) == 1
-        # __ray_call__ runs the function inside rank 0's own process, so the port is free on rank 0's node.
-        master, port = ray.get(self.ranks[0].__ray_call__.remote(rendezvous_address, one_node))
-        ray.get([rank.setup.remote(master, port) for rank in self.ranks])
+        self.group = RankGroup(LearnerRank, "learner", cfg, model_path,
+                               [learner_options(cfg, self.placement, r) for r in range(cfg.learner.num_ranks)],
+                               placement=self.placement)
+        self.ranks = self.group.ranks
         self.batches_trained = 0  # seeds each batch's mini-batch shuffle
         self.last_update_metrics: list[dict[str, float]] = []
 
     def _gather(self, refs: list, what: str) -> list:
-        """Results of one call per rank; a dead rank raises LearnerRankLost naming it (cluster/learner_failure.py)."""
-        return gather_ranks(refs, self.ranks, self.placement, what, self.cfg.fault.learner_timeout_s)
+        """Results of one call per rank within fault.learner_timeout_s; a dead rank raises LearnerRankLost naming it."""
+        return self.group.gather(refs, what, self.cfg.fault.learner_timeout_s)
 
     def _fan_out(self, method: str, batch: TrainingBatch, *args) -> tuple[BatchPlan, list]:
         """Plan `batch` over the data-parallel groups once and call `method(shard, *args, plan=micro-batches)` on
@@ -73,8 +56,8 @@ class LearnerGroup:
         sp = self.cfg.learner.sequence_parallel_size
         plan = plan_batch(batch, self.cfg, len(self.ranks) // sp)
         shards = [batch.select(idx) for idx in plan.shards]
-        refs = [getattr(rank, method).remote(shards[r // sp], *args, plan=plan.micro_batches[r // sp])
-                for r, rank in enumerate(self.ranks)]
+        refs = self.group.call_each(method, [((shards[r // sp], *args), {"plan": plan.micro_batches[r // sp]})
+                                             for r in range(len(self.group))])
         return plan, refs
 
     def train_step(self, batch: TrainingBatch, normalizer: LossNormalizer) -> dict[str, float]:
@@ -130,7 +113,7 @@ class LearnerGroup:
         return self._score("policy_logprobs", batch)
 
     def publish_weights(self, version: int = 0) -> dict:
-        return self._gather([rank.publish_weights.remote(version) for rank in self.ranks], "a weight publish")[0]
+        return self._gather(self.group.call("publish_weights", version), "a weight publish")[0]
 
     def join_weight_group(self, engines: list) -> dict:
         """For a weight transport that forms a group (`collective`; WeightBackend.group_info): learner rank 0
@@ -151,19 +134,18 @@ class LearnerGroup:
         return info
 
     def save_hf(self, folder: str) -> str:
-        return self._gather([rank.save_hf.remote(folder) for rank in self.ranks], "a model save")[0]
+        return self._gather(self.group.call("save_hf", folder), "a model save")[0]
 
     def save_state(self, folder: str) -> list[dict]:
         """Every rank writes its part of the DeepSpeed checkpoint and its RNG states under `folder` (one folder all
         ranks reach: across nodes, a shared filesystem). Returns each rank's optimizer digest."""
-        return self._gather([rank.save_state.remote(folder) for rank in self.ranks], "a checkpoint save")
+        return self._gather(self.group.call("save_state", folder), "a checkpoint save")
 
     def load_state(self, folder: str) -> list[dict]:
         """Every rank loads its part of what save_state wrote; returns each rank's optimizer digest as loaded."""
-        return self._gather([rank.load_state.remote(folder) for rank in self.ranks], "a checkpoint load")
+        return self._gather(self.group.call("load_state", folder), "a checkpoint load")
 
     def shutdown(self) -> None:
-        for rank in self.ranks:
-            ray.kill(rank)
+        self.group.shutdown()
         if self._own_placement:
             self.placement.remove()

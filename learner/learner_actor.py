@@ -132,7 +132,7 @@ class LearnerRank(DeepSpeedRank, RankCheckpoint, RankWeights):
         row = pack_row(micro_batch(shard, idx), self.pad_id, per_token, multiple_of=self.sp)
         piece = shard_row(row, self.groups.sp_rank, self.sp)
         dev = self._device()
-        for name in ("input_ids", "position_ids", "target_ids", "loss_mask", "sample_index"):
+        for name in ("input_ids", "position_ids", "target_ids", "loss_mask", "score_mask", "sample_index"):
             setattr(piece, name, getattr(piece, name).to(dev))
         piece.per_token = {name: value.to(dev) for name, value in piece.per_token.items()}
         return row, piece

@@ -85,6 +85,9 @@ class SequenceRow:
     """The token column c predicts: the next token of the same sample (pad after a sample's last token)."""
     loss_mask: Tensor
     """bool: True where the target is a token that trains (the batch's loss_mask at its predicting column)."""
+    score_mask: Tensor
+    """bool: True where the target is any response token (scored, as collate scores them, whether it trains or
+    not)."""
     sample_index: Tensor
     """Which packed sample the column belongs to; -1 on padding."""
     per_token: dict[str, Tensor] = field(default_factory=dict)
@@ -126,6 +129,7 @@ def pack_row(batch: TrainingBatch, pad_id: int, per_token: tuple[str, ...] = (),
 
     target_ids = torch.full((1, length), pad_id, dtype=torch.long)
     loss_mask = torch.zeros((1, length), dtype=torch.bool)
+    score_mask = torch.zeros((1, length), dtype=torch.bool)
     values = {name: torch.zeros((1, length), dtype=torch.float32) for name in per_token}
     for i, (columns, n) in enumerate(zip(response_columns, lengths)):
         if not columns:
@@ -133,13 +137,14 @@ def pack_row(batch: TrainingBatch, pad_id: int, per_token: tuple[str, ...] = (),
         cols = torch.tensor(columns)
         target_ids[0, cols] = batch.response_ids[i, :n]
         loss_mask[0, cols] = batch.loss_mask[i, :n].cpu()
+        score_mask[0, cols] = True
         for name in per_token:
             values[name][0, cols] = getattr(batch, name)[i, :n].float().cpu()
     # Prompt columns predict the next prompt token too; only the response is scored, so they keep pad targets.
     return SequenceRow(
         input_ids=torch.tensor([ids], dtype=torch.long),
         position_ids=torch.tensor([positions], dtype=torch.long),
-        target_ids=target_ids, loss_mask=loss_mask,
+        target_ids=target_ids, loss_mask=loss_mask, score_mask=score_mask,
         sample_index=torch.tensor([samples], dtype=torch.long),
         per_token=values, response_columns=response_columns,
     )
@@ -159,7 +164,7 @@ def shard_row(row: SequenceRow, sp_rank: int, sp_size: int) -> SequenceRow:
     return replace(
         row,
         input_ids=row.input_ids[:, cols], position_ids=row.position_ids[:, cols],
-        target_ids=row.target_ids[:, cols], loss_mask=row.loss_mask[:, cols],
+        target_ids=row.target_ids[:, cols], loss_mask=row.loss_mask[:, cols], score_mask=row.score_mask[:, cols],
         sample_index=row.sample_index[:, cols],
         per_token={name: value[:, cols] for name, value in row.per_token.items()},
         start=row.start + sp_rank * size,
@@ -261,13 +266,13 @@ def sequence_parallel_logprobs(model: torch.nn.Module, shard: SequenceRow, tempe
 
 def sequence_parallel_scores(model: torch.nn.Module, shard: SequenceRow, temperature: float,
                              chunk_tokens: int) -> tuple[Tensor, Tensor]:
-    """(logprobs (B, S), entropy (B, S)) fp32 of this slice's response targets, 0 off `shard.loss_mask`, with grad
+    """(logprobs (B, S), entropy (B, S)) fp32 of this slice's response targets, 0 off `shard.score_mask`, with grad
     when the model has it. The LM head runs through learner/logprobs.py's chunked scorer on the slice's scored
     positions only (the head module is still called, so ZeRO-3 gathers its weight), so no (S, V) logits tensor
     exists; chunk_tokens 0 scores them all in one chunk. `model` is the HF model or a DeepSpeed engine around it;
     every SP rank must call it together."""
     module = getattr(model, "module", model)
-    mask = shard.loss_mask
+    mask = shard.score_mask
     flat = mask.reshape(-1).nonzero().squeeze(1)
     targets = shard.target_ids[mask]
     chunk = chunk_tokens if chunk_tokens > 0 else max(1, int(flat.numel()))

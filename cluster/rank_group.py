@@ -1,0 +1,67 @@
+"""A group of DeepSpeed ranks hosted by Ray actors: started in their role's placement bundles, joined into one
+process group, and called together. The policy's learner group (cluster/learner_group.py) and the critic's
+(cluster/critic_group.py) each hold one and add only what is theirs: the batch plan and the weights out for the
+learner, values and restart after a lost rank for the critic.
+"""
+
+import socket
+
+import ray
+
+from cluster.learner_failure import gather_ranks
+from cluster.placement import Placement
+from protocols.config import RunConfig
+
+
+def rendezvous_address(_rank0, all_on_one_node: bool) -> tuple[str, int]:
+    """Runs inside rank 0's actor: a free port on its own node (a port free on the driver's node may be taken
+    there), and its address, or loopback when every rank shares the node."""
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return ("127.0.0.1" if all_on_one_node else ray.util.get_node_ip_address()), port
+
+
+class RankGroup:
+    def __init__(self, actor_class: type, role: str, cfg: RunConfig, model_path: str, options: list[dict],
+                 setup_args: tuple = (), placement: Placement | None = None, start_timeout_s: float | None = None,
+                 timeout_setting: str = "fault.worker_start_timeout_s") -> None:
+        """Start one actor of `actor_class` per entry of `options` (its Ray options), rank r as
+        `actor_class(cfg, r, num_ranks, model_path)`, then join them: rank 0 picks the rendezvous port on its
+        own node and every rank runs `setup(master, port, *setup_args)` together. Waits at most
+        `start_timeout_s` (None: no limit), raising TimeoutError that names `timeout_setting`."""
+        self.role = role
+        self.placement = placement
+        self.ranks = [ray.remote(actor_class).options(**opts).remote(cfg, r, len(options), model_path)
+                      for r, opts in enumerate(options)]
+        one_node = placement is None or len(set(placement.bundle_nodes(role))) == 1
+        try:
+            # __ray_call__ runs the function inside rank 0's own process, so the port is free on rank 0's node.
+            master, port = ray.get(self.ranks[0].__ray_call__.remote(rendezvous_address, one_node),
+                                   timeout=start_timeout_s)
+            ray.get([rank.setup.remote(master, port, *setup_args) for rank in self.ranks], timeout=start_timeout_s)
+        except ray.exceptions.GetTimeoutError as err:
+            raise TimeoutError(f"the {role} ranks did not start within {timeout_setting}={start_timeout_s}; raise "
+                               "it, or check that their placement bundles' resources were freed") from err
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def call(self, method: str, *args, **kwargs) -> list:
+        """Refs of `method(*args, **kwargs)` on every rank, in rank order (collectives need every rank)."""
+        return [getattr(rank, method).remote(*args, **kwargs) for rank in self.ranks]
+
+    def call_each(self, method: str, per_rank: list[tuple[tuple, dict]]) -> list:
+        """Refs of `method(*args, **kwargs)` on rank r with (args, kwargs) = per_rank[r]."""
+        return [getattr(rank, method).remote(*args, **kwargs) for rank, (args, kwargs) in zip(self.ranks, per_rank)]
+
+    def gather(self, refs: list, what: str, timeout_s: float) -> list:
+        """Results of one call per rank within `timeout_s`; a dead rank raises LearnerRankLost naming the rank
+        and its node (cluster/learner_failure.py)."""
+        return gather_ranks(refs, self.ranks, self.placement, what, timeout_s, role=self.role)
+
+    def shutdown(self) -> None:
+        for rank in self.ranks:
+            ray.kill(rank)
