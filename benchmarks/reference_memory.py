@@ -56,24 +56,24 @@ def build_model(root: Path, args) -> str:
                               intermediate=4 * args.hidden, max_positions=512, seed=0)
 
 
-def synthetic_samples(num: int, prompt_len: int, response_len: int, vocab: int) -> dict:
+def synthetic_samples(num: int, prompt_len: int, response_len: int, vocab: int):
+    from protocols.training_batch import TrainingBatch
+
     g = torch.Generator().manual_seed(0)
-    return {"prompt_ids": [torch.randint(3, vocab, (prompt_len,), generator=g).tolist() for _ in range(num)],
-            "response_ids": [torch.randint(3, vocab, (response_len,), generator=g).tolist() for _ in range(num)],
-            "behavior_logprobs": [[-2.5] * response_len for _ in range(num)],
-            "advantages": [[1.0 if i % 2 else -1.0] * response_len for i in range(num)],
-            "sample_mask": [True] * num}
+    return TrainingBatch.from_samples(
+        [torch.randint(3, vocab, (prompt_len,), generator=g).tolist() for _ in range(num)],
+        [torch.randint(3, vocab, (response_len,), generator=g).tolist() for _ in range(num)],
+        [[-2.5] * response_len for _ in range(num)],
+        advantages=[[1.0 if i % 2 else -1.0] * response_len for i in range(num)])
 
 
-def learner_reading(cfg, model: str, samples: dict, steps: int) -> dict:
+def learner_reading(cfg, model: str, samples, steps: int) -> dict:
     import ray
 
     from cluster.learner_group import LearnerGroup
     from learner.objective import count_normalizer
 
-    lengths = torch.tensor([len(r) for r in samples["response_ids"]])
-    mask = torch.arange(int(lengths.max()))[None] < lengths[:, None]
-    normalizer = count_normalizer(mask, cfg.rollout.max_response_tokens)
+    normalizer = count_normalizer(samples.loss_mask, cfg.rollout.max_response_tokens)
     group = LearnerGroup(cfg, model)
     try:
         rank = group.ranks[0]
@@ -96,6 +96,7 @@ def part_learner(args) -> dict:
 
     from actors.reference_worker import ReferenceWorker
     from cluster.ray_setup import start_ray
+    from learner.batch import pad_per_token
     from protocols.config import load_config
 
     root = Path(tempfile.mkdtemp(prefix="relayrl_refmem_"))
@@ -114,7 +115,8 @@ def part_learner(args) -> dict:
     worker = ray.remote(ReferenceWorker).options(num_cpus=1, num_gpus=1 if args.gpu else 0).remote(streamed, 0, model)
     try:
         start = time.perf_counter()
-        samples["ref_logprobs"] = ray.get(worker.score_samples.remote(samples))
+        ref_rows = ray.get(worker.score_batch.remote(samples))
+        samples = samples.with_fields(ref_logprobs=pad_per_token(ref_rows, samples.width))
         ref_s = time.perf_counter() - start
         worker_rss = ray.get(worker.__ray_call__.remote(_memory))["VmRSS"]
     finally:
