@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from learner.batch import collate
 from learner.lr_schedule import warmup_factor
 from learner.micro_batches import sample_count_micro_batches
 from learner.rank_setup import DTYPES, DeepSpeedRank, deepspeed_config
+from learner.shard_scoring import collate_micro_batch
 from learner.value_loss import clipped_value_loss
 from learner.value_model import ValueModel, response_values
 from protocols.config import RunConfig
@@ -67,16 +67,9 @@ class CriticRank(DeepSpeedRank):
         return self.rank
 
     def _batch(self, shard: TrainingBatch, idx: list[int]):
-        """(padded model inputs, the micro-batch's TrainingBatch), both on the rank's device, for samples `idx`;
-        an empty list (a padding micro-batch, so every rank runs the same number of collectives) gets sample 0
-        with nothing to train on."""
-        part = shard.select(idx) if idx else shard.select([0]).masked()
-        batch = collate(part, self.pad_id)
-        dev = self._device()
-        for name, value in vars(batch).items():
-            if torch.is_tensor(value):
-                setattr(batch, name, value.to(dev))
-        return batch, part.to(dev)
+        """(padded model inputs, the micro-batch's TrainingBatch), both on the rank's device, for samples `idx`
+        (an empty list: a masked padding micro-batch, so every rank runs the same number of collectives)."""
+        return collate_micro_batch(shard, idx, False, self.pad_id, self._device())
 
     @torch.no_grad()
     def values(self, shard: TrainingBatch) -> tuple[torch.Tensor, int]:
