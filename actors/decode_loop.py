@@ -10,7 +10,7 @@ plugs into (a sample that stopped at a tool call continues after the tool's outp
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup
+from protocols.trajectory import FinishReason, Prompt, ToolCall, Trajectory, TrajectoryGroup
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,9 @@ class Continue:
 @dataclass(frozen=True)
 class Finished:
     """The sample is complete: it becomes a `Trajectory`."""
+
+    reason: FinishReason | None = None
+    """Overrides the engine's finish reason (e.g. `max_turns`); None keeps the engine's (`stop` or `length`)."""
 
 
 FINISHED = Finished()
@@ -46,8 +49,10 @@ class SampleInFlight:
     token_versions: list[int] = field(default_factory=list)
     """One per token streamed so far; runs ahead of `response_token_ids` while a request is going."""
     response_text: str = ""
-    segments: int = 0
+    requests_ended: int = 0
     """Requests that ended so far."""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    """Tool calls so far, each with where its output segment lies in `response_token_ids`."""
 
     @property
     def prefix_ids(self) -> list[int]:
@@ -56,6 +61,20 @@ class SampleInFlight:
     @property
     def tokens_left(self) -> int:
         return self.max_response_tokens - len(self.response_token_ids)
+
+    def append_tool_output(self, token_ids: list[int], text: str, *, name: str, arguments: str, output: str,
+                           error: str = "", seconds: float = 0.0, output_truncated: bool = False) -> ToolCall:
+        """Append a tool segment: `token_ids` (the rendered output template, tokenized once) become context with
+        no behavior log-prob (0.0) and no version (-1), so they never train. Returns the recorded call."""
+        call = ToolCall(name=name, arguments=arguments, output=output, error=error, seconds=seconds,
+                        output_truncated=output_truncated, output_start=len(self.response_token_ids),
+                        output_tokens=len(token_ids), text_end=len(self.response_text) + len(text))
+        self.response_token_ids.extend(token_ids)
+        self.behavior_logprobs.extend([0.0] * len(token_ids))
+        self.token_versions.extend([-1] * len(token_ids))
+        self.response_text += text
+        self.tool_calls.append(call)
+        return call
 
     def continue_here(self) -> Continue:
         """A continuation on this sample's prefix with the rest of its budget."""
@@ -116,7 +135,7 @@ class DecodeLoop:
 
     def _add_request(self, sample: SampleInFlight, prefix_ids: list[int], max_tokens: int) -> None:
         # the first request keeps the id (and, in the worker, the seed) of a single-turn sample
-        suffix = f"/{sample.segments}" if sample.segments else ""
+        suffix = f"/{sample.requests_ended}" if sample.requests_ended else ""
         request_id = f"{sample.group_id}/{sample.index}{suffix}"
         self.requests[request_id] = (sample, 0)
         self.engine.add_request(request_id, {"prompt_token_ids": prefix_ids},
@@ -145,7 +164,7 @@ class DecodeLoop:
         sample.response_token_ids.extend(completion.token_ids)
         sample.behavior_logprobs.extend(next(iter(d.values())).logprob for d in completion.logprobs)
         sample.response_text += completion.text
-        sample.segments += 1
+        sample.requests_ended += 1
         decision = self.on_request_end(sample, out)
         if isinstance(decision, Continue):
             self._check(sample, decision)
@@ -156,8 +175,8 @@ class DecodeLoop:
             group_id=sample.group_id, sample_index=sample.index, prompt=sample.prompt,
             response_token_ids=sample.response_token_ids, behavior_logprobs=sample.behavior_logprobs,
             token_versions=sample.token_versions, response_text=sample.response_text,
-            finish_reason="length" if completion.finish_reason == "length" else "stop",
-            worker_id=self.worker_id,
+            finish_reason=decision.reason or ("length" if completion.finish_reason == "length" else "stop"),
+            worker_id=self.worker_id, tool_calls=sample.tool_calls or None,
         )
         if not group.done:
             return None
@@ -167,7 +186,7 @@ class DecodeLoop:
     @staticmethod
     def _check(sample: SampleInFlight, decision: Continue) -> None:
         if decision.prefix_ids != sample.prefix_ids:
-            # Tokens the engine did not sample (a tool's output) need a per-token loss mask in the trajectory.
+            # Tokens the engine did not sample (a tool's output) go in through append_tool_output, which masks them.
             raise ValueError(
                 f"sample {sample.group_id}/{sample.index}: a continuation must start from the sample's exact prefix "
                 f"(prompt + the {len(sample.response_token_ids)} tokens sampled so far), got {len(decision.prefix_ids)} "

@@ -19,10 +19,12 @@ from actors import eval_generation
 from actors.decode_loop import DecodeLoop, SampleInFlight
 from actors.score_router import ScoreRouter
 from actors.vllm_weights import load_checkpoint_weights, tensor_parallel_engine_args
+from actors.weight_probe_requests import ProbingEngine
 from actors.worker_policy import PolicySettings, WorkerPolicy
 from learner.weight_backends import weight_backend
 from protocols.config import RunConfig
 from protocols.trajectory import Prompt
+from protocols.weight_probe import check_probe_fits, run_probe
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +80,15 @@ class RolloutWorker:
             ) from err
         self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
-        self.decoding = DecodeLoop(self.engine, self._sampling_params, cfg.rollout.samples_per_prompt,
+        self.probing: ProbingEngine | None = None
+        """The weight-sync check's probe, scored in the engine after each checked version (weight_sync.verify_every)."""
+        if cfg.weight_sync.verify_every:
+            probe = run_probe(cfg, len(self.tokenizer))
+            check_probe_fits(probe, max_len)
+            self.probing = ProbingEngine(self.engine, probe)
+        self.skip_on_load: str | None = None
+        """Tests only (`inject_weight_fault`): a tensor every later load leaves out, as a broken transport would."""
+        self.decoding = DecodeLoop(self.probing or self.engine, self._sampling_params, cfg.rollout.samples_per_prompt,
                                    cfg.rollout.max_response_tokens, worker_id)
         """The groups in the engine. Its `on_request_end` hook is where a multi-turn agent loop plugs in."""
         self.router = ScoreRouter(reward_workers or [], reference_workers or [], critic_workers or [],
@@ -102,12 +112,33 @@ class RolloutWorker:
         if version <= self.version:
             raise ValueError(f"worker {self.worker_id}: weight version {version} is not newer than {self.version}")
         start = time.perf_counter()
-        version = self.receiver.load(version, refs, lambda weights: load_checkpoint_weights(self.llm, weights))
+        version = self.receiver.load(version, refs, lambda weights: load_checkpoint_weights(self.llm, [
+            (name, tensor) for name, tensor in weights if name != self.skip_on_load]))
         self.version = version
+        self._probe_weights(version)
         self.versions_seen.append(version)
         seconds = time.perf_counter() - start
         self.sync_seconds += seconds
         return seconds
+
+    def _probe_weights(self, version: int) -> None:
+        """Score the probe under the weights just loaded, if `version` is checked: in the coming decode steps, or
+        now when no rollout is in the engine. A probe of older weights still in flight is dropped."""
+        if self.probing is None:
+            return
+        self.probing.drop()
+        if version % self.cfg.weight_sync.verify_every == 0:
+            self.probing.start(version)
+            if not self.decoding.requests:
+                self.probing.finish()
+
+    def weight_probes(self) -> list[dict]:
+        """The last probe results {version, digest, logprobs} (also in every report), for the driver between runs."""
+        return list(self.probing.results) if self.probing is not None else []
+
+    def inject_weight_fault(self, tensor_name: str | None) -> None:
+        """Tests only: leave `tensor_name` out of every later load (None: load everything again)."""
+        self.skip_on_load = tensor_name
 
     # --- the streaming loop ------------------------------------------------------------------------------------
     def _sampling_params(self, sample: SampleInFlight, max_tokens: int):
@@ -115,10 +146,10 @@ class RolloutWorker:
 
         r = self.cfg.rollout
         # crc32, not hash(): Python salts string hashes per process, which would make runs unrepeatable. A
-        # continuation (segment > 0) draws from its own seed, so a re-issued group still regenerates identically.
+        # continuation (a later request) draws from its own seed, so a re-issued group still regenerates identically.
         key = f"{self.cfg.train.seed}/{sample.group_id}/{sample.index}"
-        if sample.segments:
-            key += f"/{sample.segments}"
+        if sample.requests_ended:
+            key += f"/{sample.requests_ended}"
         return SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p, max_tokens=max_tokens, logprobs=0,
                               seed=zlib.crc32(key.encode()) & 0x7FFFFFFF)
 
@@ -189,6 +220,8 @@ class RolloutWorker:
                 stats["idle_s"] += time.perf_counter() - t0
             stats["steps"] += 1
         aborted = decoding.abort()
+        if self.probing is not None:
+            self.probing.finish()  # only the probe is left in the engine: score it, for this report
         self._collect_scored(block=True)
         # groups still waiting for a live reward, reference or critic worker, or whose scoring did not end in time,
         # are dropped
@@ -203,7 +236,8 @@ class RolloutWorker:
     def _report(self, stats: dict, start: float) -> dict:
         wall = time.perf_counter() - start
         return {**stats, "wall_s": wall, "sync_s": self.sync_seconds, "version": self.version,
-                "versions_seen": list(self.versions_seen), **self.router.counts}
+                "versions_seen": list(self.versions_seen), **self.router.counts,
+                "weight_probes": self.weight_probes()}
 
     # --- evaluation and checks (not while `run` is going) --------------------------------------------------------
     def generate_greedy(self, prompts: list[Prompt]) -> list[str]:

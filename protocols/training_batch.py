@@ -125,7 +125,7 @@ class TrainingBatch:
             [t.prompt.prompt_token_ids for t in trajectories], [t.response_token_ids for t in trajectories],
             [t.behavior_logprobs for t in trajectories], model_token_mask=[t.loss_mask for t in trajectories],
             token_versions=[t.token_versions for t in trajectories], rewards=[t.reward for t in trajectories],
-            truncated=[t.finish_reason == "length" for t in trajectories],
+            truncated=[t.truncated for t in trajectories],
             ref_logprobs=every("ref_logprobs"), values=every("values"))
 
     # --- reading --------------------------------------------------------------------------------------------------

@@ -2,8 +2,15 @@
 
 Every record is a pydantic model so it can be sent between Ray actors and written to disk (checkpoints of the
 queue and of in-flight samples use `model_dump_json`).
+
+A response is an ordered list of segments (`Trajectory.segments`): model segments, whose tokens the engine
+sampled (with behavior log-probs and policy versions), and tool segments, a tool's output tokenized once and
+appended as context. They are stored flat, token by token, in the order the model read them, because that is what
+the learner consumes; `tool_calls` marks where each tool segment lies. The learner trains on exactly the token ids
+the engine sampled: model tokens are never re-tokenized, tool tokens carry no loss (`loss_mask`).
 """
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -44,7 +51,46 @@ class VerifierResult(BaseModel):
     """Error kind when verification failed (`exception`, `timeout`, ...); empty on success."""
 
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "max_turns"]
+"""`length`: the response-token budget ran out; `max_turns`: a multi-turn sample still called a tool on its last
+allowed turn (tools.max_turns). Both count as truncated."""
+
+ToolError = Literal["", "unknown_tool", "exception", "timeout"]
+
+
+class ToolCall(BaseModel):
+    """One tool call of a multi-turn sample, and the tool segment its output became."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    """The tool the model called (`python`, `calculator`, or a user tool's configured name)."""
+    arguments: str
+    """The call's body as the model wrote it (the text between the call tags)."""
+    output: str
+    """The tool's output text as appended (after truncation), or the error text when the call failed."""
+    error: ToolError = ""
+    """Why the call failed; empty when the tool returned normally. The error text is still the tool's output."""
+    seconds: float = Field(0.0, ge=0)
+    """Wall time the tool ran (its time in the pool, not the time it waited for a slot)."""
+    output_truncated: bool = False
+    """The output was longer than tools.max_output_tokens and was cut there."""
+    output_start: int = Field(ge=0)
+    """Index in `response_token_ids` of the tool segment's first token."""
+    output_tokens: int = Field(ge=0)
+    """Tokens in the tool segment (the rendered output template)."""
+    text_end: int = Field(0, ge=0)
+    """Characters of `response_text` up to the end of the tool segment: the model's final answer follows it."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A view of one run of tokens of a response: `model` tokens carry behavior log-probs and versions."""
+
+    kind: Literal["model", "tool"]
+    token_ids: list[int]
+    behavior_logprobs: list[float] | None
+    token_versions: list[int] | None
 
 
 class Trajectory(BaseModel):
@@ -57,14 +103,20 @@ class Trajectory(BaseModel):
     sample_index: int = Field(ge=0)
     prompt: Prompt
     response_token_ids: list[int]
-    """Sampled tokens, EOS included when the model stopped by itself."""
+    """Every response token in order: sampled tokens (EOS included when the model stopped by itself) and, in a
+    multi-turn sample, the tool segments between them."""
     behavior_logprobs: list[float]
-    """log mu(token) from vLLM at sampling time, one per response token."""
+    """log mu(token) from vLLM at sampling time, one per response token; 0.0 on tool tokens."""
     token_versions: list[int]
-    """Policy version of the weights that sampled each response token (partial rollouts mix versions)."""
+    """Policy version of the weights that sampled each response token (partial rollouts mix versions); -1 on
+    tool tokens."""
     finish_reason: FinishReason
-    """`length` means truncated at max_response_tokens."""
+    """`length` means truncated at max_response_tokens; `max_turns` at tools.max_turns."""
     response_text: str = ""
+    """The whole response as text, tool segments included; `final_text` is the model's last segment."""
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=lambda calls: calls is None)
+    """The tool calls in order, each with where its output segment lies; None for a single-turn response (so it
+    is what it was before multi-turn rollouts, on the wire and on disk)."""
     reward: float = 0.0
     result: VerifierResult | None = None
     """Set by the reward worker; None until scored."""
@@ -82,16 +134,62 @@ class Trajectory(BaseModel):
     added by a reference worker while the group streams toward the queue (reference.num_workers > 0). None
     when no reference worker group runs (the learner then scores the reference itself, if the KL needs it)."""
 
+    def __getstate__(self) -> dict[Any, Any]:
+        # A single-turn record pickles (Ray's wire format) to the bytes it had before tool calls existed.
+        state = super().__getstate__()
+        if self.tool_calls is None:
+            state["__dict__"] = {k: v for k, v in state["__dict__"].items() if k != "tool_calls"}
+        return state
+
+    def __setstate__(self, state: dict[Any, Any]) -> None:
+        state["__dict__"].setdefault("tool_calls", None)
+        super().__setstate__(state)
+
     @property
     def loss_mask(self) -> list[bool]:
         """One flag per response token: True where the engine sampled the token (those train; tokens that are
         context only, such as a tool's output, do not). A single-turn response is all sampled tokens."""
-        return [True] * len(self.response_token_ids)
+        mask = [True] * len(self.response_token_ids)
+        for call in self.tool_calls or []:
+            mask[call.output_start: call.output_start + call.output_tokens] = [False] * call.output_tokens
+        return mask
+
+    @property
+    def segments(self) -> list[Segment]:
+        """The response as ordered model and tool segments (empty model segments are left out)."""
+        out, start = [], 0
+        ids, lps, versions = self.response_token_ids, self.behavior_logprobs, self.token_versions
+        for call in self.tool_calls or []:
+            if call.output_start > start:
+                out.append(Segment("model", ids[start:call.output_start], lps[start:call.output_start],
+                                   versions[start:call.output_start]))
+            end = call.output_start + call.output_tokens
+            out.append(Segment("tool", ids[call.output_start:end], None, None))
+            start = end
+        if start < len(ids):
+            out.append(Segment("model", ids[start:], lps[start:], versions[start:]))
+        return out
+
+    @property
+    def final_text(self) -> str:
+        """The text after the last tool segment: the model's final answer, which the verifier reads."""
+        return self.response_text[self.tool_calls[-1].text_end:] if self.tool_calls else self.response_text
+
+    @property
+    def truncated(self) -> bool:
+        """The sample ran out of its token budget or its turns."""
+        return self.finish_reason in ("length", "max_turns")
+
+    @property
+    def num_turns(self) -> int:
+        """Model turns: one more than the tool calls."""
+        return 1 + len(self.tool_calls or [])
 
     @property
     def min_version(self) -> int:
-        """Oldest policy version that produced a token: staleness is measured from it."""
-        return min(self.token_versions) if self.token_versions else -1
+        """Oldest policy version that produced a token (tool tokens have none): staleness is measured from it."""
+        sampled = [v for v in self.token_versions if v >= 0]
+        return min(sampled) if sampled else -1
 
     @property
     def max_version(self) -> int:

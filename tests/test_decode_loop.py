@@ -75,8 +75,8 @@ def test_a_continued_sample_keeps_its_prefix_versions_logprobs_and_token_budget(
     ended = []
 
     def continue_once(sample, output):
-        ended.append((sample.segments, list(sample.response_token_ids)))
-        return sample.continue_here() if sample.segments == 1 else FINISHED
+        ended.append((sample.requests_ended, list(sample.response_token_ids)))
+        return sample.continue_here() if sample.requests_ended == 1 else FINISHED
 
     engine = ScriptedEngine({"g0/0": [1, 2, 3], "g0/0/1": [4, 5, 6]})
     loop = DecodeLoop(engine, _params, samples_per_prompt=1, max_response_tokens=8, worker_id=0,
@@ -98,7 +98,7 @@ def test_a_continuation_truncated_by_the_remaining_budget_is_marked_length():
     # budget 4: 3 tokens in the first request leave 1 for the second, whose script wants 3
     engine = ScriptedEngine({"g0/0": [1, 2, 3], "g0/0/1": [4, 5, 6]}, per_step=4)
     loop = DecodeLoop(engine, _params, 1, 4, 0,
-                      on_request_end=lambda s, o: s.continue_here() if s.segments == 1 else FINISHED)
+                      on_request_end=lambda s, o: s.continue_here() if s.requests_ended == 1 else FINISHED)
     loop.start_group("g0", PROMPT)
     assert loop.step(0) == []
     (group,) = loop.step(0)
@@ -142,5 +142,5 @@ def test_a_first_request_keeps_the_single_turn_seed_and_a_continuation_draws_its
     sample = SampleInFlight("g3", 1, PROMPT, max_response_tokens=16)
     first = RolloutWorker._sampling_params(worker, sample, 16)
     assert first.seed == zlib.crc32(f"{worker.cfg.train.seed}/g3/1".encode()) & 0x7FFFFFFF and first.max_tokens == 16
-    sample.segments = 1
+    sample.requests_ended = 1
     assert RolloutWorker._sampling_params(worker, sample, 5).seed != first.seed
