@@ -112,6 +112,10 @@ class LearnerGroup:
         """(B, T) current-policy log-probs of the batch's loss tokens."""
         return self._score("policy_logprobs", batch)
 
+    def probe_logprobs(self, batch: TrainingBatch) -> torch.Tensor:
+        """(B, T) current-policy log-probs at temperature 1 (the weight-sync check's probe)."""
+        return self._score("probe_logprobs", batch)
+
     def publish_weights(self, version: int = 0) -> dict:
         return self._gather(self.group.call("publish_weights", version), "a weight publish")[0]
 

@@ -31,6 +31,7 @@ from cluster.reference_stream import check_streamed_ref_logprobs, reward_kl
 from cluster.run_folder import RunFolder
 from cluster.shared_folder import check_run_folder_shared
 from cluster.supervisor import Supervisor
+from cluster.weight_check import WeightCheck
 from learner.objective import (
     apply_reward_shaping,
     compute_advantages,
@@ -76,6 +77,9 @@ class Trainer:
             check_critic_model(self.model_path, critic_model_path(cfg, self.model_path),
                                cfg.model.trust_remote_code)
         self.cfg = cfg = fit_lengths_to_model(cfg, self.model_path)
+        # weight_sync.verify_every: the probe is built (and refused if it does not fit the engines) before any actor
+        self.weight_check = (WeightCheck(cfg, len(tokenizer), cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens)
+                             if cfg.weight_sync.verify_every else None)
         # every actor reads and writes the run folder by this one path, whatever its own working directory
         self.cfg = cfg = cfg.model_copy(update={"output_dir": str(Path(cfg.output_dir).resolve())})
         # --resume: the checkpoint must be complete and its shapes this config's, checked before any actor starts
@@ -187,6 +191,9 @@ class Trainer:
                                 num_bytes=published["num_bytes"])
         ray.get(self.controller.publish.remote(weights, published["refs"]))
         publish_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self._score_probe()
+        verify = {**self._check_weights(), "time/verify_s": time.perf_counter() - t0} if self.weight_check else {}
         correct = [bool(t.result and t.result.correct) for t in trajectories]
         num_tokens = int(batch.response_lengths.sum())
         errors = Counter(t.result.error for t in trajectories if t.result and t.result.error)
@@ -205,6 +212,7 @@ class Trainer:
             "time/publish_s": publish_s,
             "learner/tokens_per_s": num_tokens / max(learner_s, 1e-9),
             "weights/bytes": published["num_bytes"],
+            **verify,
             "policy_version": self.version,
         }
 
@@ -244,6 +252,7 @@ class Trainer:
         worker_reports = self.supervisor.reports()
         self.supervisor.ensure_alive()
         self._sync_idle_workers()
+        self._check_weights(idle=True)  # the versions the workers loaded after their last report
         eval_after: dict = {}
         accuracy_after = evaluate(self.rollout_workers, self.eval_prompts, self.reward_workers, cfg.reward,
                                   report=eval_after)
@@ -271,6 +280,8 @@ class Trainer:
             "replaced_workers": self.supervisor.replaced_counts(),
             "restart_seconds": list(self.supervisor.restart_seconds),
             "resent_publishes": self.supervisor.resent_publishes,
+            **({"weight_sync_check": {"checks": self.weight_check.checks, "max_gap": self.weight_check.max_gap,
+                                      "tolerance": self.weight_check.tolerance}} if self.weight_check else {}),
             "learner_skipped_nonfinite": int(metrics.get("learner/skipped_nonfinite", 0)),
             # every reward worker's counters over the whole run (the metrics.jsonl lines are per logged step)
             "reward_workers": self.reward_counters.totals(),
@@ -333,10 +344,33 @@ class Trainer:
         weights = WeightVersion(version=self.version, num_tensors=published["num_tensors"],
                                 num_bytes=published["num_bytes"])
         ray.get(self.controller.publish.remote(weights, published["refs"]))
+        self._score_probe()
         self.resume_report = {"checkpoint": str(folder), "policy_version": self.version,
                               "reissued_groups": len(state["controller"]["in_flight"]), "optimizer_loaded": loaded}
         log.warning("resumed from %s at policy version %d (%d groups in flight re-issued)", folder, self.version,
                     self.resume_report["reissued_groups"])
+
+    def _score_probe(self) -> None:
+        """The learner's log-probs of the weight-sync probe at the version just published, if it is checked."""
+        if self.weight_check is None or not self.weight_check.due(self.version):
+            return
+        groups = self.cfg.learner.num_ranks // self.cfg.learner.sequence_parallel_size
+        batch = self.weight_check.learner_batch(groups)
+        self.weight_check.record_learner(self.version, batch.per_sample_rows(self.learner.probe_logprobs(batch)))
+
+    def _check_weights(self, idle: bool = False) -> dict[str, float]:
+        """Compare the engines' probe results reported since the last call with the learner's (`idle`: the
+        workers are between runs, so ask them directly). Raises WeightSyncMismatch on a gap above
+        weight_sync.verify_tolerance. Returns weights/verify_*."""
+        if self.weight_check is None:
+            return {}
+        if idle:
+            results = ray.get([w.weight_probes.remote() for w in self.rollout_workers])
+            self.weight_check.compare_reports({wid: {"weight_probes": r}
+                                               for wid, r in zip(self.supervisor.rollout_ids, results)})
+        else:
+            self.weight_check.compare_reports(ray.get(self.controller.get_worker_stats.remote()))
+        return self.weight_check.metrics()
 
     def _rollout_metrics(self) -> dict[str, float]:
         return rollout_metrics(ray.get(self.controller.get_worker_stats.remote()).values())

@@ -138,19 +138,20 @@ class LearnerRank(DeepSpeedRank, RankCheckpoint, RankWeights):
         return row, piece
 
     @torch.no_grad()
-    def _score_shard(self, model, shard: TrainingBatch, plan: list[list[int]]) -> torch.Tensor:
+    def _score_shard(self, model, shard: TrainingBatch, plan: list[list[int]],
+                     temperature: float | None = None) -> torch.Tensor:
         """(B, T) log-probs of the shard's loss tokens under `model` (0 elsewhere), in the micro-batches `plan`
-        (None: this rank's own plan, for a rank that runs alone)."""
+        (None: this rank's own plan, for a rank that runs alone), at `temperature` (None: rollout.temperature)."""
         plan = plan if plan is not None else plan_one_shard(shard, self.cfg)
+        temperature = self.cfg.rollout.temperature if temperature is None else temperature
         if self.sp == 1:
             lcfg = self.cfg.learner
-            return score_shard(model, shard, plan, self.cfg.rollout.temperature, lcfg.logits_chunk_tokens,
+            return score_shard(model, shard, plan, temperature, lcfg.logits_chunk_tokens,
                                lcfg.packing, self.pad_id, self._device())
         out = torch.zeros(shard.loss_mask.shape, dtype=torch.float32)
         for idx in plan:
             row, piece = self._sp_slice(shard, idx)
-            lps, _ = sequence_parallel_scores(model, piece, self.cfg.rollout.temperature,
-                                              self.cfg.learner.logits_chunk_tokens)
+            lps, _ = sequence_parallel_scores(model, piece, temperature, self.cfg.learner.logits_chunk_tokens)
             whole = gather_sequence(lps, self.groups.sp_group).cpu()
             if idx:
                 values = response_values(whole, row, shard.width)
@@ -173,6 +174,15 @@ class LearnerRank(DeepSpeedRank, RankCheckpoint, RankWeights):
         self.engine.eval()
         try:
             return self._score_shard(self.engine, shard, plan)
+        finally:
+            self.engine.train()
+
+    def probe_logprobs(self, shard: TrainingBatch, plan: list[list[int]] | None = None) -> torch.Tensor:
+        """(B, T) current-policy log-probs at temperature 1, whatever rollout.temperature: what the engine's prompt
+        log-probs are (raw logits), for the weight-sync check's probe (cluster/weight_check.py)."""
+        self.engine.eval()
+        try:
+            return self._score_shard(self.engine, shard, plan, temperature=1.0)
         finally:
             self.engine.train()
 

@@ -29,10 +29,13 @@ SECTIONS: dict[str, str] = {
               "dropped_<reason>",
     "control/": "controller calls by method (calls_<method>)",
     "rollout/": "idle_frac, tokens_per_s, sync_s_total over the rollout workers",
-    "time/": "seconds per phase of the step: wait_s, learner_s, publish_s, step_s",
+    "time/": "seconds per phase of the step: wait_s, learner_s, publish_s, step_s, verify_s (the weight-sync "
+             "check: the learner's probe forward and the comparison)",
     "learner/": "the learner's own readings: tokens_per_s, real/processed tokens, effective_token_frac, "
                 "micro_batches_max, peak_gib_max",
-    "weights/": "bytes published per version",
+    "weights/": "bytes published per version; the weight-sync check (weight_sync.verify_every): verify_checks "
+                "(engine loads compared with the learner so far) and verify_max_gap (the largest |engine - learner| "
+                "probe log-prob of the checks compared at this step)",
     "eval/": "held-out evaluation: eval/accuracy (greedy, the run's test split), eval/<set>/accuracy, "
              "eval/<set>/pass@<k>, eval/<set>/samples, eval/<set>/error_<kind> for each train.eval_sets entry",
     "data/": "loader counts (loaded, skipped_too_long) and the controller's data epoch",
