@@ -7,6 +7,13 @@ then joins the broadcast of the buckets into staging buffers, whatever the worke
 broadcasts whenever it likes, and the engine still changes weights only between decode steps. The staging buffers
 cost one model copy per engine; a newer version that arrives before the loop loads the previous one replaces it
 (the worker wants the newest anyway). The loop and the thread share the buffers under a lock. Torch only.
+
+With weight_sync.delta the staging buffers are the engine's held copy: every member receives every broadcast, so
+each applies every delta to its buffers in turn (a version the loop skips is still applied). A group's first
+broadcast is a full version: joining (the start, or the rejoin of every member after an engine was replaced)
+resets the sender's copy, so a new engine never needs a delta it cannot apply. The delta travels as one byte
+payload in `bucket_mb` pieces, received into a buffer apart from the staging buffers (an engine loading the
+last version does not hold the broadcast up), then applied under the lock.
 """
 
 import logging
@@ -17,9 +24,10 @@ from typing import Iterator
 
 import torch
 
-from learner.weight_transport import BroadcastFailed, NamedTensors, WeightBackend, WeightReceiver, WeightSender
-from protocols.weight_wire import (ALTERNATIVE, BucketLayout, check_header, header_bytes, header_from_bytes,
-                                   metas_from_rows)
+from learner.weight_transport import (BroadcastFailed, NamedTensors, WeightBackend, WeightReceiver, WeightSender,
+                                     apply_delta)
+from protocols.weight_wire import (ALTERNATIVE, BucketLayout, check_header, delta_of, header_bytes,
+                                   header_from_bytes, metas_from_rows)
 
 log = logging.getLogger(__name__)
 POLL_S = 0.01  # latency added to a version's arrival, at most
@@ -102,6 +110,7 @@ class CollectiveSender(WeightSender):
         self.group, self.store = open_weight_group(info["host"], info["port"], 0, info["world_size"],
                                                    info["backend"], info["timeout_s"], device)
         self.seq = 0
+        self.reset_delta()  # the members of a new group may hold any version: its first broadcast is full
         self.layout = BucketLayout(metas_from_rows(info["metas"]), info["bucket_bytes"])
         self.device = device
         self.timeout_s = info["timeout_s"]
@@ -130,6 +139,24 @@ class CollectiveSender(WeightSender):
         for _ in it:  # let a layer-by-layer gather finish its collectives
             pass
         return {"refs": [], "num_tensors": len(self.layout.metas), "num_bytes": self.layout.num_bytes}
+
+    def send_delta(self, payload: torch.Tensor, version: int, base: int) -> dict:
+        """Broadcast one delta payload (host bytes; copied to the group's device first) in bucket-size pieces."""
+        if self.group is None:
+            raise RuntimeError("weight_sync.type=collective but the learner has not joined the weight group; "
+                               "the trainer calls LearnerGroup.join_weight_group after starting the workers")
+        self.seq += 1
+        size = payload.numel()
+        self.store.set(header_key(self.seq), header_bytes(self.layout.header(version, base, size)))
+        data = payload.to(self.device)
+        step = self.layout.bucket_bytes
+        for start in range(0, size, step):
+            try:
+                work = self._broadcast(data[start: start + step])
+            except RuntimeError as err:
+                raise self._failed(f"delta bytes {start}..", err) from err
+            self._wait(work, f"delta bytes {start}..")
+        return {"refs": [], "num_tensors": len(self.layout.metas), "num_bytes": size}
 
     def _send_buckets(self, it: Iterator[tuple[str, torch.Tensor]]) -> None:
         pending = [None] * len(self._flats)
@@ -178,6 +205,8 @@ class _Membership:
         self.group, self.store = open_weight_group(info["host"], info["port"], info["rank"], info["world_size"],
                                                    info["backend"], self.timeout_s, device)
         self._flats = [torch.empty(size, dtype=torch.uint8, device=device) for size in self.layout.bucket_sizes]
+        self._views = [pair for b, flat in enumerate(self._flats) for pair in self.layout.views(b, flat)]
+        self._delta = torch.empty(0, dtype=torch.uint8, device=device)  # grows to the largest delta received
         self._seq = 0
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
@@ -199,8 +228,13 @@ class _Membership:
                     time.sleep(POLL_S)
                     continue
                 self._seq += 1
-                version = check_header(header_from_bytes(self.store.get(key)), self.layout)
+                header = header_from_bytes(self.store.get(key))
+                version = check_header(header, self.layout)
+                base, delta_bytes = delta_of(header)
                 start = time.perf_counter()
+                if base >= 0:
+                    self._receive_delta(version, base, delta_bytes, start)
+                    continue
                 with self._lock:
                     # The learner sends the buckets right after the header; the loop waits at most one receive.
                     for flat in self._flats:
@@ -214,6 +248,22 @@ class _Membership:
                 with self._lock:
                     self.error = err
                     self._arrived.notify_all()
+
+    def _receive_delta(self, version: int, base: int, size: int, start: float) -> None:
+        if self._delta.numel() < size:
+            self._delta = torch.empty(size, dtype=torch.uint8, device=self._delta.device)
+        step = self.layout.bucket_bytes
+        for offset in range(0, size, step):
+            self.group.broadcast(self._delta[offset: min(offset + step, size)], 0).wait()
+        with self._lock:
+            if self.staged_version != base:
+                raise RuntimeError(f"weight_sync.delta: the learner sent version {version} as changes to version "
+                                   f"{base}, but this engine holds version {self.staged_version}; the group's "
+                                   "first broadcast must be full (rejoin the group, or set weight_sync.delta=false)")
+            apply_delta(self._views, self._delta[:size])
+            self.staged_version = version
+            self.receive_seconds.append(time.perf_counter() - start)
+            self._arrived.notify_all()
 
     def stage(self, version: int) -> tuple[int, list[tuple[str, torch.Tensor]]]:
         deadline = time.monotonic() + self.timeout_s
@@ -230,7 +280,7 @@ class _Membership:
             self._lock.release()
             raise RuntimeError(f"weight_sync.type=collective: the receiver thread failed: {self.error}; "
                                f"{ALTERNATIVE}") from self.error
-        return self.staged_version, [pair for b, flat in enumerate(self._flats) for pair in self.layout.views(b, flat)]
+        return self.staged_version, list(self._views)
 
     def release(self) -> None:
         self._lock.release()

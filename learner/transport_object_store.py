@@ -4,8 +4,16 @@ on the node) and loads it. Needs nothing beyond Ray and works across nodes. Ray 
 On the wire: name -> (torch dtype name, numpy array); bf16 travels as int16 bits, since numpy has no bf16.
 Tied embeddings: both `embed_tokens` and `lm_head` are sent, because vLLM's CPU backend keeps a separately
 repacked `lm_head` that is stale unless it is loaded too.
+
+With weight_sync.delta every worker reads the same refs but may hold a different version (it loads the newest when
+it is ready, and a replaced worker holds none), so a version is announced as a chain: the latest full version
+(a keyframe) and the deltas after it, each tagged with its base version. A worker applies the deltas from the
+version it holds, or loads the keyframe first when it holds none of the chain's versions. A new keyframe is put
+(beside that version's delta) once the deltas since the last one add up to its size, so the store holds at most
+about two model copies (keyframe + deltas) against one when dense, and a worker catching up reads at most that.
 """
 
+import os
 import time
 import warnings
 from typing import Iterable
@@ -13,7 +21,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from learner.weight_transport import NamedTensors, WeightBackend, WeightReceiver, WeightSender
+from learner.weight_transport import NamedTensors, WeightBackend, WeightReceiver, WeightSender, apply_delta
 
 BITCAST = {torch.bfloat16: torch.int16}
 
@@ -124,26 +132,99 @@ class ObjectStoreSender(WeightSender):
         # GPU weights and ZeRO-3 gathers (freed as the iterator moves on) are copied into reused host buffers.
         reuse = on_gpu or cfg.learner.zero_stage == 3
         self.host_buffers = HostBuffers(pin_memory=on_gpu) if reuse else None
+        self.keyframe: tuple | None = None
+        """weight_sync.delta: ("full", lineage, version, -1, ref, bytes) of the latest full version."""
+        self.deltas: list[tuple] = []
+        """("delta", lineage, version, base, ref, bytes) since the keyframe (and the keyframe version's own)."""
+        self.lineage = ""
 
     def send(self, weights: NamedTensors, version: int) -> dict:
         import ray
 
-        packed = host_arrays(weights, self.host_buffers)
+        if self.previous is not None:
+            # weight_sync.delta: `weights` fills the host copy as it is read (WeightSender.publish); put that copy,
+            # rather than packing a second one into the host buffers
+            for _ in weights:
+                pass
+            weights = iter(self.previous.items())
+        packed = host_arrays(weights, self.host_buffers if self.previous is None else None)
         ref = ray.put(packed)
-        return {"refs": [ref], "num_tensors": len(packed), "num_bytes": packed_num_bytes(packed)}
+        num_bytes = packed_num_bytes(packed)
+        if self.previous is None:
+            return {"refs": [ref], "num_tensors": len(packed), "num_bytes": num_bytes}
+        # a new lineage: versions of an earlier one (before a failed send) never chain into this one
+        self.lineage = os.urandom(8).hex()
+        self.keyframe, self.deltas = ("full", self.lineage, version, -1, ref, num_bytes), []
+        return {"refs": self._chain(), "num_tensors": len(packed), "num_bytes": num_bytes}
+
+    def send_delta(self, payload: torch.Tensor, version: int, base: int) -> dict:
+        import ray
+
+        self.deltas.append(("delta", self.lineage, version, base, ray.put(payload.numpy()), payload.numel()))
+        num_bytes = payload.numel()
+        if sum(d[-1] for d in self.deltas) >= self.keyframe[-1]:
+            # The host copy holds this version now: put it as the new keyframe (no extra copy; ray.put copies).
+            packed = host_arrays(iter(self.previous.items()), None)
+            self.keyframe = ("full", self.lineage, version, -1, ray.put(packed), packed_num_bytes(packed))
+            self.deltas = self.deltas[-1:]  # a worker one version behind still reads only the delta
+            num_bytes += self.keyframe[-1]
+        return {"refs": self._chain(), "num_tensors": len(self.previous.tensors), "num_bytes": num_bytes}
+
+    def _chain(self) -> list[tuple]:
+        return [self.keyframe, *self.deltas]
 
 
 class ObjectStoreReceiver(WeightReceiver):
     type = "object_store"
 
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        self.held: list[tuple[str, torch.Tensor]] | None = None
+        """weight_sync.delta: this worker's own copy of the version it loaded last (one model copy in host memory),
+        which the deltas update."""
+        self.held_key: tuple[str, int] | None = None  # (lineage, version) of `held`
+        self.read_bytes = 0
+        """Bytes this worker read from the object store (over the network when the learner is on another node)."""
+
     def stage(self, version: int, refs: list) -> tuple[int, list[tuple[str, torch.Tensor]]]:
-        """(version, checkpoint-format pairs) of the announced weights; the pairs map the object store."""
+        """(version, checkpoint-format pairs) of the announced weights; dense, the pairs map the object store."""
         import ray
 
         if not refs:
             raise RuntimeError(f"weight version {version} was announced without an object ref; the learner and "
                                "this worker disagree on weight_sync.type")
-        return version, unpack_state_dict(ray.get(refs[0]))
+        if isinstance(refs[0], tuple):
+            return self._stage_chain(refs)
+        packed = ray.get(refs[0])
+        self.read_bytes += packed_num_bytes(packed)
+        return version, unpack_state_dict(packed)
+
+    def _stage_chain(self, chain: list[tuple]) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+        """Bring the held copy to the chain's newest version: the deltas from the held version when the chain
+        has them all, else the keyframe first."""
+        import ray
+
+        (_, lineage, keyframe_version, _, keyframe_ref, keyframe_bytes), deltas = chain[0], chain[1:]
+        by_base = {base: (v, ref, size) for _, line, v, base, ref, size in deltas if line == lineage}
+        target = max([keyframe_version] + [v for v, _, _ in by_base.values()])
+        held = self.held_key[1] if self.held is not None and self.held_key[0] == lineage else None
+        while held is not None and held < target and held in by_base:
+            held = by_base[held][0]
+        if held != target:  # new, or behind the chain: the full version, then every delta after it
+            packed = ray.get(keyframe_ref)
+            self.read_bytes += keyframe_bytes
+            self.held = [(name, tensor.clone()) for name, tensor in unpack_state_dict(packed)]
+            del packed
+            self.held_key = (lineage, keyframe_version)
+        while self.held_key[1] < target:
+            v, ref, size = by_base[self.held_key[1]]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # a read-only view: apply_delta only reads it
+                payload = torch.from_numpy(ray.get(ref))
+            self.read_bytes += size
+            apply_delta(self.held, payload)
+            self.held_key = (lineage, v)
+        return target, self.held
 
 
 BACKEND = WeightBackend("object_store", ObjectStoreSender, ObjectStoreReceiver)

@@ -9,8 +9,11 @@ place that reads `weight_sync.type`. One version's path:
     -> driver -> controller -> receiver.load(version, refs, apply) on each worker, between two decode steps
 
 `publish` and `load` are the one place a version is encoded and decoded for every backend: a check or an
-encoding shared by all backends (e.g. sending only changed elements) belongs there, not in a backend.
-Torch only; a backend imports Ray inside its methods.
+encoding shared by all backends belongs there, not in a backend. Delta sync (`weight_sync.delta`) is one: `publish`
+keeps the host copy of the last version (learner/weight_delta.py `PreviousWeights`) and hands a backend either the
+full weights (`send`: the first version, or after `reset_delta`) or the encoded changes (`send_delta`); a receiver
+applies a delta to the copy it holds with `apply_delta`. What each backend does for an engine that is behind or
+new (a full version) is in its module. Torch only; a backend imports Ray inside its methods.
 """
 
 import time
@@ -19,6 +22,8 @@ from dataclasses import dataclass
 from typing import Callable, ClassVar, Iterator
 
 import torch
+
+from learner.weight_delta import PreviousWeights, apply_delta  # noqa: F401 (receivers apply deltas with it)
 
 NamedTensors = Iterator[tuple[str, torch.Tensor]]
 """(name, tensor) pairs in checkpoint (HF) format, in the fixed order of LearnerRank.weight_metas."""
@@ -39,6 +44,8 @@ class WeightSender(ABC):
     def __init__(self, cfg, on_gpu: bool) -> None:
         self.cfg = cfg
         self.on_gpu = on_gpu
+        self.previous = PreviousWeights() if cfg is not None and getattr(cfg.weight_sync, "delta", False) else None
+        """weight_sync.delta: the last version sent, as one copy in host memory (never on the GPU); None: dense."""
 
     def join(self, info: dict, device: torch.device) -> None:
         """Join the weight group described by `info` (WeightBackend.group_info) as its rank 0, on this rank's
@@ -50,8 +57,41 @@ class WeightSender(ABC):
         driver hands to the controller (refs: what a receiver needs to stage it; [] when it travels by other
         means). The iterator is run to its end even on failure: under ZeRO-3 the other ranks wait in its gathers."""
         start = time.perf_counter()
-        announcement = self.send(weights, version)
+        if self.previous is None:
+            announcement = self.send(weights, version)
+        else:
+            announcement = self._publish_delta(iter(weights), version)
         return {**announcement, "seconds": time.perf_counter() - start}
+
+    def _publish_delta(self, weights: NamedTensors, version: int) -> dict:
+        """A full version when there is nothing to encode against (the first, or after `reset_delta`), recorded
+        into the host copy as it is sent; else the changes since the copy's version. Any failure drops the copy,
+        so the next publish is full again (a half-updated copy would make every later delta wrong)."""
+        previous, base = self.previous, self.previous.version
+        try:
+            if base is None:
+                announcement = self.send(previous.record(weights, version), version)
+                stats = {"base_version": None, "payload_bytes": announcement["num_bytes"]}
+            else:
+                payload = previous.encode(weights, version)
+                announcement = self.send_delta(payload, version, base)
+                stats = {"base_version": base, **{k: v for k, v in previous.last_stats.items() if k != "kinds"}}
+        except BaseException:
+            previous.reset()
+            for _ in weights:  # under ZeRO-3 the other ranks wait in this iterator's gathers
+                pass
+            raise
+        return {**announcement, "delta": stats}
+
+    def reset_delta(self) -> None:
+        """The receivers may not hold the last version (a new group): the next publish goes in full."""
+        if self.previous is not None:
+            self.previous.reset()
+
+    def send_delta(self, payload: torch.Tensor, version: int, base: int) -> dict:
+        """Transfer the delta `payload` (flat uint8, host memory) that turns `base` into `version`; returns
+        {refs, num_tensors, num_bytes}. Every backend implements it."""
+        raise NotImplementedError(f"weight_sync.type={self.type} has no delta path; set weight_sync.delta=false")
 
     @abstractmethod
     def send(self, weights: NamedTensors, version: int) -> dict:
@@ -73,7 +113,8 @@ class WeightReceiver(ABC):
         raise RuntimeError(f"weight_sync.type={self.type} forms no weight group; nothing joins it")
 
     def load(self, version: int, refs: list, apply: Callable[[list[tuple[str, torch.Tensor]]], None]) -> int:
-        """Stage the announced `version`, hand its checkpoint-format pairs to `apply` (the engine's in-place load),
+        """Stage the announced `version` (with weight_sync.delta, the backend applies the deltas to the full copy
+        it holds, and the engine loads that copy whole: its own weights are in another layout), hand its checkpoint-format pairs to `apply` (the engine's in-place load),
         release them. Returns the version applied: `version`, or a newer one that has already arrived."""
         loaded, weights = self.stage(version, refs)
         try:

@@ -11,8 +11,8 @@ from typing import Iterable
 import torch
 
 _ALIGN = 64  # bytes; every tensor starts aligned in its bucket so dtype views are legal
-WIRE_PROTOCOL = 1  # bump when the header or layout changes; a mismatch fails with a clear error
-HEADER_LEN = 4  # [protocol, version, num_tensors, layout checksum]
+WIRE_PROTOCOL = 2  # bump when the header or layout changes; a mismatch fails with a clear error
+HEADER_LEN = 6  # [protocol, version, num_tensors, layout checksum, delta base version (-1: full), delta bytes]
 ALTERNATIVE = "weight_sync.type=object_store needs no process group"
 
 
@@ -75,8 +75,11 @@ class BucketLayout:
             out.append((meta.name, raw.view(getattr(torch, meta.dtype)).view(meta.shape)))
         return out
 
-    def header(self, version: int) -> torch.Tensor:
-        return torch.tensor([WIRE_PROTOCOL, version, len(self.metas), self.checksum], dtype=torch.int64)
+    def header(self, version: int, base: int = -1, delta_bytes: int = 0) -> torch.Tensor:
+        """A full version's header; with `base` >= 0, a delta (learner/weight_delta.py) of `delta_bytes` bytes that
+        turns version `base` into `version`."""
+        return torch.tensor([WIRE_PROTOCOL, version, len(self.metas), self.checksum, base, delta_bytes],
+                            dtype=torch.int64)
 
 
 def header_bytes(header: torch.Tensor) -> bytes:
@@ -89,7 +92,7 @@ def header_from_bytes(raw: bytes) -> torch.Tensor:
 
 def check_header(header: torch.Tensor, layout: BucketLayout) -> int:
     """The version a received header announces; raises if the sender's wire format or layout differ."""
-    protocol, version, num_tensors, checksum = (int(x) for x in header.tolist())
+    protocol, version, num_tensors, checksum = (int(x) for x in header.tolist()[:4])
     if protocol != WIRE_PROTOCOL:
         raise RuntimeError(f"weight_sync.type=collective: the learner speaks wire protocol {protocol}, this "
                            f"engine {WIRE_PROTOCOL} (different relayrl versions); update both, or use {ALTERNATIVE}")
@@ -98,3 +101,8 @@ def check_header(header: torch.Tensor, layout: BucketLayout) -> int:
                            f"checksum {checksum}) differs from this engine's ({len(layout.metas)}, {layout.checksum}); "
                            f"the model or weight_sync.bucket_mb changed after the join; rejoin, or use {ALTERNATIVE}")
     return version
+
+
+def delta_of(header: torch.Tensor) -> tuple[int, int]:
+    """(base version, delta bytes) of a checked header; base -1: a full version in buckets."""
+    return int(header[4]), int(header[5])

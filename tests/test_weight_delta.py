@@ -137,3 +137,116 @@ def test_a_payload_for_another_model_is_refused():
     payload = prev.encode(iter(_step(weights, 0.1, seed=1)), 2)
     with pytest.raises(RuntimeError, match="covers 4 tensors, the engine holds 3"):
         apply_delta(_held(weights)[:3], payload)
+
+
+# --- through the transports (no Ray, no vLLM): object_store's chain, collective's broadcast over gloo ------------
+class _FakeRay:
+    """ray.put / ray.get in one process: what the object-store sender and receiver call."""
+
+    def __init__(self) -> None:
+        self.objects: list = []
+
+    def put(self, value):
+        import copy
+
+        self.objects.append(copy.deepcopy(value))  # ray.put copies: the sender may reuse its buffers
+        return len(self.objects) - 1
+
+    def get(self, ref):
+        return self.objects[ref]
+
+
+def _object_store(monkeypatch, dtype=torch.bfloat16):
+    import sys
+
+    from learner.transport_object_store import ObjectStoreReceiver, ObjectStoreSender
+    from protocols.config import load_config
+
+    monkeypatch.setitem(sys.modules, "ray", _FakeRay())
+    cfg = load_config(None, ["weight_sync.delta=true"])
+    return ObjectStoreSender(cfg, on_gpu=False), lambda: ObjectStoreReceiver(cfg)
+
+
+def _loaded(receiver, version, refs):
+    got = {}
+    assert receiver.load(version, refs, lambda pairs: got.update((n, t.clone()) for n, t in pairs)) == version
+    return list(got.items())
+
+
+def test_object_store_chain_serves_current_behind_and_new_workers(monkeypatch):
+    sender, new_receiver = _object_store(monkeypatch)
+    current, behind = new_receiver(), new_receiver()
+    weights = _model(0, torch.bfloat16)
+    first = sender.publish(iter(weights), 1)
+    assert first["delta"]["base_version"] is None and len(first["refs"]) == 1  # the keyframe alone
+    assert _same_bits(_loaded(current, 1, first["refs"]), weights) and _same_bits(_loaded(behind, 1, first["refs"]), weights)
+    full_bytes = current.read_bytes
+    for v in range(2, 5):
+        weights = _step(weights, 0.02, seed=v)
+        published = sender.publish(iter(weights), v)
+        assert published["delta"]["base_version"] == v - 1 and published["num_bytes"] < full_bytes / 3
+        before = current.read_bytes
+        assert _same_bits(_loaded(current, v, published["refs"]), weights)
+        assert current.read_bytes - before == published["num_bytes"]  # one delta, not the full version
+    # `behind` holds version 1, the chain's keyframe: it applies the three deltas, still not a full read
+    assert _same_bits(_loaded(behind, 4, published["refs"]), weights)
+    assert behind.read_bytes - full_bytes < full_bytes
+    # a replaced worker holds nothing: keyframe, then every delta
+    fresh = new_receiver()
+    assert _same_bits(_loaded(fresh, 4, published["refs"]), weights) and fresh.read_bytes > full_bytes
+
+
+def test_object_store_puts_a_new_keyframe_when_the_deltas_outgrow_it(monkeypatch):
+    sender, new_receiver = _object_store(monkeypatch)
+    weights = _model(0, torch.bfloat16)
+    early = new_receiver()
+    _loaded(early, 1, sender.publish(iter(weights), 1)["refs"])
+    versions = {1: weights}
+    for v in range(2, 12):  # 30% changed: each delta is about a third of the model, so a keyframe every ~3
+        versions[v] = _step(versions[v - 1], 0.3, seed=v)
+        published = sender.publish(iter(versions[v]), v)
+        keyframe, *deltas = published["refs"]
+        assert sum(d[-1] for d in deltas) <= 2 * keyframe[-1]  # the store holds at most about two model copies
+    assert keyframe[2] > 1  # a later keyframe replaced the first
+    # the worker still at version 1 is behind the new keyframe: it reads it (and the deltas after), ends exact
+    before = early.read_bytes
+    assert _same_bits(_loaded(early, 11, published["refs"]), versions[11])
+    assert early.read_bytes - before >= keyframe[-1]
+
+
+def test_a_failed_delta_send_makes_the_next_publish_full(monkeypatch):
+    sender, new_receiver = _object_store(monkeypatch)
+    weights = _model(0, torch.bfloat16)
+    sender.publish(iter(weights), 1)
+    with pytest.raises(ValueError, match="must go in full"):
+        sender.publish(iter(weights[:2]), 2)  # the model lost tensors: refused, and the copy is dropped
+    published = sender.publish(iter(weights), 3)
+    assert published["delta"]["base_version"] is None and len(published["refs"]) == 1
+    receiver = new_receiver()
+    assert _same_bits(_loaded(receiver, 3, published["refs"]), weights)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_collective_deltas_over_gloo_equal_a_full_broadcast(dtype):
+    from protocols.weight_wire import metas_of
+    from tests.test_weight_transport import _connect, _free_port
+
+    weights = _model(0, dtype)
+    # 2 KiB buckets: the model (about 12 KiB) travels full in several buckets, a delta in several pieces
+    delta_sender, receivers = _connect(_free_port(), 3, 2048, metas_of(weights))
+    delta_sender.previous = PreviousWeights()  # what weight_sync.delta=true builds
+    try:
+        published = delta_sender.publish(iter(weights), 1)
+        assert published["delta"]["base_version"] is None
+        for v in range(2, 6):
+            weights = _step(weights, 0.05, seed=v)
+            published = delta_sender.publish(iter(weights), v)
+            assert published["delta"]["base_version"] == v - 1 and published["num_bytes"] < delta_sender.layout.num_bytes
+            if v == 3:
+                continue  # the loops skip version 3: their threads still apply its delta
+            for receiver in receivers:
+                got = _loaded(receiver, v, [])
+                assert _same_bits(got, weights), f"{dtype}: version {v} differs after deltas"
+    finally:
+        for receiver in receivers:
+            receiver.close()
