@@ -278,13 +278,6 @@ class ObjectStoreSync(SyncCheck):
     one on each worker, and a full version (one more model copy in the object store) whenever the deltas since
     the last full one add up to its size; a worker behind or new loads that full version, then the deltas."""
 
-    delta: bool = False
-    """Send only the elements that changed since the previous version (learner/weight_delta.py), exact bit for bit.
-    With bf16 weights at RL learning rates few elements change per step (docs/weight_sync.md: measured bytes);
-    worth it when engines sit on other nodes than the learner. Costs one host copy of the model on the learner and
-    one on each worker, and a full version (one more model copy in the object store) whenever the deltas since
-    the last full one add up to its size; a worker behind or new loads that full version, then the deltas."""
-
 
 class CollectiveSync(SyncCheck):
     """Learner rank 0 and every rollout engine join one torch.distributed group (gloo on CPU, NCCL on GPUs,
@@ -301,11 +294,6 @@ class CollectiveSync(SyncCheck):
 
     timeout_s: float = Field(120.0, gt=0, le=3600)
     """Limit on joining the group and on each broadcast; past it the run stops with an error, never hangs."""
-
-    delta: bool = False
-    """Broadcast only the elements that changed since the previous version (learner/weight_delta.py), exact bit for
-    bit; each engine applies it to its staging copy. The first broadcast of every group (the start, a rejoin after
-    a replaced engine) is a full version. Costs one host copy of the model on the learner (docs/weight_sync.md)."""
 
     delta: bool = False
     """Broadcast only the elements that changed since the previous version (learner/weight_delta.py), exact bit for
