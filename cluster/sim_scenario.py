@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from cluster.sim_tools import ToolScenario, mean_lengths
+
 
 class SimulatorConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -95,6 +97,9 @@ class SimulatorConfig(BaseModel):
     poll_interval_s: float = Field(1.0, gt=0)
     """rollout.poll_interval_s: longest a scored group waits at its worker for others to share a call."""
 
+    tools: ToolScenario | None = None
+    """Multi-turn samples with tool calls (cluster/sim_tools.py); None: single-turn, as before."""
+
     @model_validator(mode="after")
     def _check(self) -> "SimulatorConfig":
         if self.warmup_steps >= self.steps:
@@ -133,12 +138,22 @@ def _mean_length(cfg: SimulatorConfig) -> float:
     return sum(response_length(rng, cfg) for _ in range(100_000)) / 100_000
 
 
+@functools.lru_cache(maxsize=64)
+def _mean_lengths_with_tools(cfg: SimulatorConfig) -> tuple[float, float]:
+    return mean_lengths(cfg.tools, functools.partial(response_length, cfg=cfg), cfg.seed, cfg.max_response_tokens)
+
+
 def capacities(cfg: SimulatorConfig) -> dict[str, float]:
-    """The ideal bound: generation capacity (all engines decoding full batches, in trainable tokens/s) against
-    training capacity (learner tokens/s at the mean batch size); throughput can reach at most the smaller."""
+    """The ideal bound: generation capacity (all engines decoding full batches, in response tokens/s) against
+    training capacity (learner tokens/s at the mean batch size); throughput can reach at most the smaller.
+    Response tokens include tool tokens, which the engines never decode: with tools, the generation capacity is
+    the decode capacity times mean response / mean sampled tokens."""
     lengths_only = cfg.model_copy(update={k: v for k, v in SimulatorConfig().model_dump().items()
-                                          if k not in LENGTH_FIELDS})
-    mean_length = _mean_length(lengths_only)
+                                          if k not in (*LENGTH_FIELDS, "tools")})
+    if cfg.tools is None:
+        mean_length = mean_generated = _mean_length(lengths_only)
+    else:
+        mean_generated, mean_length = _mean_lengths_with_tools(lengths_only)
     g = cfg.samples_per_prompt
     keep = 1.0
     if cfg.drop_zero_variance:
@@ -146,10 +161,12 @@ def capacities(cfg: SimulatorConfig) -> dict[str, float]:
         keep = sum(1 - p**g - (1 - p) ** g for p in rates) / len(rates)
     s = cfg.max_num_seqs
     decoded = cfg.num_engines * s / (cfg.decode_fixed_seconds + cfg.decode_seconds_per_seq * s)
+    generation = decoded * keep if cfg.tools is None else decoded * keep * mean_length / mean_generated
     batch_tokens = cfg.prompts_per_step * g * mean_length
     train = batch_tokens / (cfg.learner_fixed_seconds + cfg.learner_seconds_per_token * batch_tokens)
-    return {"mean_length": mean_length, "keep_fraction": keep, "decode_capacity": decoded,
-            "generation_capacity": decoded * keep, "training_capacity": train, "ideal": min(decoded * keep, train)}
+    return {"mean_length": mean_length, "mean_generated": mean_generated, "keep_fraction": keep,
+            "decode_capacity": decoded, "generation_capacity": generation, "training_capacity": train,
+            "ideal": min(generation, train)}
 
 
 def balanced(cfg: SimulatorConfig, training_over_generation: float = 1.0) -> SimulatorConfig:
@@ -189,6 +206,10 @@ class SimulationResult:
     """Controller calls made by the learner loop (take_batch, publish), by method."""
     finished_groups: int
     """Groups the workers finished and handed over."""
+    tool_calls: int = 0
+    """Tool calls that returned during the run (multi-turn scenarios)."""
+    tool_seconds: float = 0.0
+    """Seconds those calls ran, summed."""
 
     @property
     def fraction_of_ideal(self) -> float:

@@ -38,6 +38,7 @@ from cluster.sim_scenario import (  # noqa: F401  (re-exported: the benchmarks a
     response_length,
     success_rates,
 )
+from cluster.sim_tools import ToolTurns
 from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup, WeightVersion
 
 LEGACY_IDLE_SLEEP_S = 0.003
@@ -46,10 +47,12 @@ LEGACY_STATS_INTERVAL_S = 1.0
 
 
 class _Sequence:
-    __slots__ = ("group", "index", "length", "start_step")
+    __slots__ = ("group", "index", "length", "start_step", "response", "plan", "turn", "versions", "calls")
 
     def __init__(self, group: "_Group", index: int, length: int) -> None:
         self.group, self.index, self.length, self.start_step = group, index, length, -1
+        self.response, self.plan = length, None
+        """Response tokens (tool tokens included); a multi-turn sample's plan (`ToolTurns._plan_group`)."""
 
 
 class _Group:
@@ -80,9 +83,18 @@ class _Engine:
     legacy_step_calls: tuple[int, int] = (1, 0)
     """legacy: (polls, acquires) the old loop made per decode step of the current segment."""
     idle_since: float | None = None
+    in_tool: int = 0
+    """Samples between a tool call and its return (running or waiting for the pool); they hold no slot."""
+    tools_running: int = 0
+    tool_queue: deque = field(default_factory=deque)
+    """Samples whose call waits for a free place in the tool pool (tools.pool_size)."""
+    continuations_waiting: int = 0
+    """With tools.continue_first: continuations at the head of `waiting`."""
+    peak_held: int = 0
+    """Most sequences the engine was decoding plus samples in a tool call, at any safe point."""
 
 
-class Simulation:
+class Simulation(ToolTurns):
     """One run: the real controller, `num_engines` engine stand-ins and a learner stand-in on one event heap."""
 
     def __init__(self, cfg: SimulatorConfig) -> None:
@@ -118,6 +130,7 @@ class Simulation:
         self.max_lag, self.min_lag = 0, math.inf
         self.stopped = False
         self.now = 0.0
+        self.tool_calls, self.tool_seconds = 0, 0.0
 
     # --- event plumbing --------------------------------------------------------------------------------------
     def _push(self, t: float, kind: str, *payload) -> None:
@@ -145,6 +158,8 @@ class Simulation:
                     self._poke(engine, now)
             elif kind == "synced":
                 self._synced(payload[0], now)
+            elif kind == "tool":
+                self._tool_done(*payload, now)
             else:
                 self._learner_done(now, *payload)
         return self._result()
@@ -160,7 +175,11 @@ class Simulation:
             e.steps = steps
             e.segment = None
         while e.running and e.running[0][0] <= e.steps:
-            self._finish(e, heapq.heappop(e.running)[2])
+            seq = heapq.heappop(e.running)[2]
+            if seq.plan is None:
+                self._finish(e, seq)
+            else:
+                self._turn_end(e, seq, _stamp(seq.start_step, seq.length, e.version_changes, self.cfg.token_chunk))
 
     def _decide(self, e: _Engine, now: float) -> None:
         """One pass of the worker loop at a safe point: sync with the controller when the policy says so, leave
@@ -186,9 +205,11 @@ class Simulation:
             return
         while e.waiting and len(e.running) < self.cfg.max_num_seqs:
             seq = e.waiting.popleft()
+            e.continuations_waiting = max(0, e.continuations_waiting - 1)
             seq.start_step = e.steps
             self.order += 1
             heapq.heappush(e.running, (e.steps + seq.length, self.order, seq))
+        e.peak_held = max(e.peak_held, len(e.running) + e.in_tool)
         e.legacy_step_calls = (1, int(p.want(len(e.active)) > 0))
         if e.running:  # run until the first sequence ends or an event interrupts at a step boundary
             dt = self.cfg.decode_fixed_seconds + self.cfg.decode_seconds_per_seq * len(e.running)
@@ -261,23 +282,30 @@ class Simulation:
         rate = prompt.metadata["success_rate"]
         rewards = [1.0 if rng.random() < rate else 0.0 for _ in range(g)]
         group = _Group(group_id, prompt, lengths, rewards)
+        if self.cfg.tools is not None:
+            self._plan_group(group)
         e.active[group_id] = group
         e.waiting.extend(group.sequences)
 
     def _finish(self, e: _Engine, seq: _Sequence) -> None:
-        group, chunk = seq.group, self.cfg.token_chunk
-        versions = _stamp(seq.start_step, seq.length, e.version_changes, chunk)
-        n = len(versions)
+        group = seq.group
+        if seq.plan is None:
+            versions = _stamp(seq.start_step, seq.length, e.version_changes, self.cfg.token_chunk)
+            logprobs, calls = [-1.0] * len(versions), None
+            reason = "length" if seq.length == self.cfg.max_response_tokens else "stop"
+        else:
+            versions = seq.versions
+            logprobs = [-1.0 if v >= 0 else 0.0 for v in versions]
+            calls, reason = seq.calls or None, seq.plan.finish_reason
         group.trajectories[seq.index] = Trajectory(
-            group_id=group.group_id, sample_index=seq.index, prompt=group.prompt, response_token_ids=[1] * n,
-            behavior_logprobs=[-1.0] * n, token_versions=versions, reward=group.rewards[seq.index],
-            finish_reason="length" if seq.length == self.cfg.max_response_tokens else "stop",
-            worker_id=e.worker_id)
+            group_id=group.group_id, sample_index=seq.index, prompt=group.prompt,
+            response_token_ids=[1] * len(versions), behavior_logprobs=logprobs, token_versions=versions,
+            reward=group.rewards[seq.index], finish_reason=reason, worker_id=e.worker_id, tool_calls=calls)
         group.unfinished -= 1
         if group.unfinished:
             return
         del e.active[group.group_id]
-        self.tokens_of[group.group_id] = sum(s.length for s in group.sequences)
+        self.tokens_of[group.group_id] = sum(s.response for s in group.sequences)
         group.sequences = []  # break the group <-> sequence cycle so refcounting frees it
         scored = TrajectoryGroup(group_id=group.group_id, trajectories=group.trajectories)
         e.policy.on_scored(group.group_id, scored, self.now)  # reward workers are instant stand-ins
@@ -382,6 +410,7 @@ class Simulation:
             trained_group_ids=list(self.trained_ids), dropped_group_ids=dropped_ids, waiting_group_ids=waiting,
             versions_seen=[e.policy.versions_seen for e in self.engines], sim_seconds=self.step_ends[-1],
             controller_calls=dict(self.calls), finished_groups=self.finished,
+            tool_calls=self.tool_calls, tool_seconds=self.tool_seconds,
             driver_calls={k: self.controller.calls[k] for k in ("take_batch", "publish")})
 
 
