@@ -4,9 +4,12 @@
 turns the engine's outputs into `Trajectory` records, stamping every token with the policy version of the
 weights that sampled it. When a request ends, `on_request_end` decides whether its sample is finished or goes on
 as a new request on its exact token prefix (prompt + every segment so far): the seam a multi-turn agent loop
-plugs into (a sample that stopped at a tool call continues after the tool's output). The default finishes.
+plugs into (actors/agent_loop.py: a sample that stopped at a tool call continues after the tool's output). The
+hook may also keep a sample (`PENDING`) while its tool runs: the sample's request is over, so its engine slot
+serves the other samples, and the hook hands it back from `ready()` once the tool is done. The default finishes.
 """
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -31,7 +34,13 @@ class Finished:
     """Overrides the engine's finish reason (e.g. `max_turns`); None keeps the engine's (`stop` or `length`)."""
 
 
+@dataclass(frozen=True)
+class Pending:
+    """The hook keeps the sample (its tool is running); the loop asks the hook's `ready()` for it each step."""
+
+
 FINISHED = Finished()
+PENDING = Pending()
 RequestEnd = Continue | Finished
 
 
@@ -99,6 +108,23 @@ SamplingParamsFor = Callable[[SampleInFlight, int], Any]
 """(sample, max_tokens) -> the engine's sampling parameters for the sample's next request."""
 
 
+class AsyncRequestEnd(Protocol):
+    """A hook that may keep samples (`PENDING`), such as the agent loop while a tool runs."""
+
+    def __call__(self, sample: SampleInFlight, output: Any) -> RequestEnd | Pending: ...
+
+    def ready(self) -> list[tuple[SampleInFlight, RequestEnd]]:
+        """Samples it kept that may go on now, each with its decision; never blocks."""
+
+    def cancel(self) -> None:
+        """Forget every sample it keeps (the loop aborted their groups)."""
+
+
+IDLE_WAIT_S = 0.002
+"""A step that finds the engine empty and no kept sample ready sleeps this long, so the worker's loop does not
+spin on a core while only tools run."""
+
+
 class _GroupInFlight:
     def __init__(self, group_id: str, prompt: Prompt, size: int, max_response_tokens: int) -> None:
         self.group_id = group_id
@@ -111,12 +137,14 @@ class _GroupInFlight:
 
 
 class DecodeLoop:
-    """The groups a worker's engine is generating. `on_request_end(sample, output)` returns `Continue` or
-    `Finished`; its `output` is the engine's `RequestOutput` of the request that ended."""
+    """The groups a worker's engine is generating. `on_request_end(sample, output)` returns `Continue`,
+    `Finished` or (an `AsyncRequestEnd` hook only) `PENDING`; its `output` is the engine's `RequestOutput` of the
+    request that ended."""
 
     def __init__(self, engine: Engine, sampling_params: SamplingParamsFor, samples_per_prompt: int,
                  max_response_tokens: int, worker_id: int,
-                 on_request_end: Callable[[SampleInFlight, Any], RequestEnd] = finish_every_request) -> None:
+                 on_request_end: Callable[[SampleInFlight, Any], RequestEnd] | AsyncRequestEnd = finish_every_request
+                 ) -> None:
         self.engine = engine
         self.sampling_params = sampling_params
         self.samples_per_prompt = samples_per_prompt
@@ -126,6 +154,10 @@ class DecodeLoop:
         self.active: dict[str, _GroupInFlight] = {}
         self.requests: dict[str, tuple[SampleInFlight, int]] = {}
         """request id -> (its sample, tokens of this request already streamed)."""
+        self.waiting: dict[tuple[str, int], SampleInFlight] = {}
+        """(group id, sample index) -> a sample the hook keeps (`PENDING`): it holds no engine slot."""
+        self.decoded = False
+        """Whether the last `step` ran the engine (False: it only collected kept samples, or waited for them)."""
 
     def start_group(self, group_id: str, prompt: Prompt) -> None:
         group = _GroupInFlight(group_id, prompt, self.samples_per_prompt, self.max_response_tokens)
@@ -142,16 +174,26 @@ class DecodeLoop:
                                 self.sampling_params(sample, max_tokens))
 
     def has_unfinished(self) -> bool:
-        return self.engine.has_unfinished_requests()
+        """Requests in the engine, or samples the hook keeps (their tools still run)."""
+        return self.engine.has_unfinished_requests() or bool(self.waiting)
 
     def step(self, version: int) -> list[TrajectoryGroup]:
-        """One engine step; tokens it sampled carry `version`. Returns the groups it finished."""
+        """Continue the kept samples the hook has ready, then one engine step; tokens it sampled carry `version`.
+        Returns the groups it finished."""
         finished = []
-        for out in self.engine.step():
-            group = self._on_output(out, version)
-            if group is not None:
-                finished.append(group)
-        return finished
+        ready = self.on_request_end.ready() if self.waiting else []
+        for sample, decision in ready:
+            if self.waiting.get((sample.group_id, sample.index)) is not sample:
+                continue  # its group was aborted meanwhile
+            del self.waiting[(sample.group_id, sample.index)]
+            # after a tool the last request had ended at the call's stop string
+            finished.append(self._apply(sample, decision, "stop"))
+        self.decoded = self.engine.has_unfinished_requests()
+        if self.decoded:
+            finished.extend(self._on_output(out, version) for out in self.engine.step())
+        elif self.waiting and not ready:
+            time.sleep(IDLE_WAIT_S)
+        return [group for group in finished if group is not None]
 
     def _on_output(self, out: Any, version: int) -> TrajectoryGroup | None:
         sample, seen = self.requests[out.request_id]
@@ -162,10 +204,23 @@ class DecodeLoop:
             return None
         del self.requests[out.request_id]
         sample.response_token_ids.extend(completion.token_ids)
+        # vLLM may drop tokens streamed past a stop string in the step that completed it: versions follow the ids
+        del sample.token_versions[len(sample.response_token_ids):]
         sample.behavior_logprobs.extend(next(iter(d.values())).logprob for d in completion.logprobs)
         sample.response_text += completion.text
         sample.requests_ended += 1
         decision = self.on_request_end(sample, out)
+        return self._apply(sample, decision, "length" if completion.finish_reason == "length" else "stop")
+
+    def _apply(self, sample: SampleInFlight, decision: RequestEnd | Pending,
+               engine_reason: FinishReason) -> TrajectoryGroup | None:
+        if isinstance(decision, Pending):
+            if not hasattr(self.on_request_end, "ready"):
+                raise TypeError(
+                    f"sample {sample.group_id}/{sample.index}: on_request_end returned PENDING but has no ready() "
+                    "to hand the sample back; only an AsyncRequestEnd hook (e.g. actors/agent_loop.py) may keep one")
+            self.waiting[(sample.group_id, sample.index)] = sample
+            return None
         if isinstance(decision, Continue):
             self._check(sample, decision)
             self._add_request(sample, decision.prefix_ids, decision.max_tokens)
@@ -175,7 +230,7 @@ class DecodeLoop:
             group_id=sample.group_id, sample_index=sample.index, prompt=sample.prompt,
             response_token_ids=sample.response_token_ids, behavior_logprobs=sample.behavior_logprobs,
             token_versions=sample.token_versions, response_text=sample.response_text,
-            finish_reason=decision.reason or ("length" if completion.finish_reason == "length" else "stop"),
+            finish_reason=decision.reason or engine_reason,
             worker_id=self.worker_id, tool_calls=sample.tool_calls or None,
         )
         if not group.done:
@@ -198,10 +253,14 @@ class DecodeLoop:
                 f"{sample.max_response_tokens}) has left; return Finished once it is spent")
 
     def abort(self) -> list[str]:
-        """Abort every request; returns the ids of the groups that were in flight (they are forgotten)."""
+        """Abort every request and drop the samples the hook keeps (their tools' results are not waited for);
+        returns the ids of the groups that were in flight (they are forgotten)."""
         if self.requests:
             self.engine.abort_request(list(self.requests))
             self.requests.clear()
+        if self.waiting:
+            self.on_request_end.cancel()
+            self.waiting.clear()
         group_ids = list(self.active)
         self.active.clear()
         return group_ids

@@ -1,0 +1,136 @@
+"""The agent loop of a tool-using rollout: the decode loop's request-end hook (actors/decode_loop.py) when tools are
+configured (protocols/tools.py).
+
+A model turn that ended at a call's closing tag (the engine's stop string) is parsed (rewards/tool_calls.py); the
+call runs in a thread pool beside the engine (rewards/tools.py ToolBox), and the sample waits off the engine
+(`PENDING`), so the engine's slot serves other samples. Once the tool is done, its rendered output is appended as
+a tool segment (tokenized once, no loss, no version) and the sample continues on its exact token prefix, with what
+is left of its one response-token budget. Bad input is counted in `counts` and the sample goes on or ends; the
+run never stops for it.
+"""
+
+import time
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from actors.decode_loop import FINISHED, PENDING, Finished, Pending, RequestEnd, SampleInFlight
+from protocols.reward import RewardConfig
+from protocols.tools import ToolsConfig
+from rewards.tool_calls import MalformedCall, ParsedCall, parse_call, render_output
+from rewards.tools import ToolBox, ToolResult
+
+TIMEOUT_GRACE_S = 5.0
+"""The ToolBox answers a call past tools.timeout_s itself (`timeout`); past timeout_s + this (a tool stuck where
+the ToolBox cannot stop it, e.g. the sandbox's start) the loop gives up waiting and answers `timeout` itself."""
+
+COUNTER_NAMES = ("calls", "malformed_calls", "max_turns", "truncated_outputs", "budget_cut_outputs",
+                 "errors_unknown_tool", "errors_exception", "errors_timeout")
+"""`counts` keys, all present from the start: tool calls run; model turns that ended at `call_end` but could not
+be read (each ends its sample as a plain response); samples stopped at tools.max_turns; outputs cut at
+tools.max_output_tokens; tool segments cut because the response-token budget ran out; failed calls by kind."""
+
+
+class _Call:
+    """A tool call in the pool, and the sample waiting on it."""
+
+    def __init__(self, sample: SampleInFlight, call: ParsedCall) -> None:
+        self.sample = sample
+        self.call = call
+        self.started: float | None = None
+        """When a pool thread began it (None while it waits for a thread): the timeout counts from here."""
+
+
+class AgentLoop:
+    """The `on_request_end` hook of a `DecodeLoop` (an `AsyncRequestEnd`): returns `FINISHED`, a `Finished` with a
+    reason, or `PENDING` while the sample's tool runs; `ready()` hands waiting samples back with their decision."""
+
+    def __init__(self, tools: ToolsConfig, reward: RewardConfig, tokenizer: Any,
+                 toolbox: ToolBox | None = None) -> None:
+        self.cfg = tools
+        self.tokenizer = tokenizer
+        self.toolbox = toolbox if toolbox is not None else ToolBox(tools, reward)
+        self.pool = ThreadPoolExecutor(max_workers=tools.pool_size, thread_name_prefix="tool")
+        self.running: dict[Future, _Call] = {}
+        self.counts: Counter = Counter({name: 0 for name in COUNTER_NAMES})
+        self.tool_seconds = 0.0
+        """Wall seconds the calls ran, summed (time waiting for a pool thread excluded)."""
+
+    # --- a model turn ended ------------------------------------------------------------------------------------
+    def __call__(self, sample: SampleInFlight, output: Any) -> RequestEnd | Pending:
+        parsed = parse_call(output.outputs[0].text, self.cfg)
+        if parsed is None:
+            return FINISHED  # a plain answer (or the budget ran out mid-call)
+        if isinstance(parsed, MalformedCall):
+            self.counts["malformed_calls"] += 1
+            return FINISHED
+        if sample.requests_ended >= self.cfg.max_turns:
+            self.counts["max_turns"] += 1
+            return Finished(reason="max_turns")
+        if sample.tokens_left <= 0:
+            return Finished(reason="length")  # no room for the tool's output, let alone an answer
+        call = _Call(sample, parsed)
+        self.running[self.pool.submit(self._run, call)] = call
+        return PENDING
+
+    def _run(self, call: _Call) -> ToolResult:
+        call.started = time.monotonic()
+        return self.toolbox.run(call.call.name, call.call.arguments)
+
+    # --- tools that are done -----------------------------------------------------------------------------------
+    def ready(self) -> list[tuple[SampleInFlight, RequestEnd]]:
+        """Samples whose tool finished (or ran past its time), each with its continuation or its end."""
+        out = []
+        now = time.monotonic()
+        for future, call in list(self.running.items()):
+            if future.done():
+                result = future.result()
+            elif call.started is not None and now - call.started > self.cfg.timeout_s + TIMEOUT_GRACE_S:
+                # the thread is left to finish; its result is dropped
+                result = ToolResult(f"TimeoutError: the tool ran past tools.timeout_s={self.cfg.timeout_s:g} s",
+                                    "timeout", now - call.started)
+            else:
+                continue
+            del self.running[future]
+            out.append((call.sample, self._append(call, result)))
+        return out
+
+    def _append(self, call: _Call, result: ToolResult) -> RequestEnd:
+        """Append the tool's rendered output to the sample; go on if budget is left for the model to answer."""
+        sample = call.sample
+        self.counts["calls"] += 1
+        if result.error:
+            self.counts[f"errors_{result.error}"] += 1
+        self.tool_seconds += result.seconds
+        rendered = render_output(result.output, self.cfg, self.tokenizer)
+        self.counts["truncated_outputs"] += rendered.truncated
+        token_ids, text = rendered.token_ids, rendered.text
+        if len(token_ids) > sample.tokens_left:
+            # the response budget (rollout.max_response_tokens) counts tool tokens too: keep what fits
+            self.counts["budget_cut_outputs"] += 1
+            token_ids = token_ids[:sample.tokens_left]
+            text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
+        sample.append_tool_output(token_ids, text, name=call.call.name, arguments=call.call.arguments,
+                                  output=rendered.output, error=result.error, seconds=result.seconds,
+                                  output_truncated=rendered.truncated)
+        return sample.continue_here() if sample.tokens_left > 0 else Finished(reason="length")
+
+    # --- the worker's side -------------------------------------------------------------------------------------
+    @property
+    def waiting(self) -> int:
+        return len(self.running)
+
+    def cancel(self) -> None:
+        """Forget every waiting sample (the decode loop aborted): calls not started are cancelled; running ones
+        finish in their threads and are dropped."""
+        for future in self.running:
+            future.cancel()
+        self.running.clear()
+
+    def report(self) -> dict[str, float]:
+        """The counters since this loop started, for the worker's report (`tools` there)."""
+        return {**self.counts, "seconds": self.tool_seconds}
+
+    def close(self) -> None:
+        self.cancel()
+        self.pool.shutdown(wait=False, cancel_futures=True)
