@@ -1,0 +1,150 @@
+"""Reading a model turn's tool call (tagged, `NAME:ARGUMENTS` or JSON; malformed ones named) and rendering a tool's
+output as the segment the model reads next (cut at tools.max_output_tokens, tokenized once) with the demo's real
+character tokenizer."""
+
+import pytest
+
+from cluster.demo_model import build_tokenizer
+from protocols.tools import ToolsConfig
+from rewards.tool_calls import MalformedCall, ParsedCall, parse_call, render_output, stop_strings
+
+CFG = ToolsConfig(builtin=["calculator", "python"])
+
+
+def test_a_turn_that_does_not_end_at_a_call_is_a_plain_answer():
+    assert parse_call("The answer is 42.", CFG) is None
+    # a call in the middle of the turn is not where the turn stopped: still a plain answer
+    assert parse_call("<tool_call>calculator:1+1</tool_call> so 2", CFG) is None
+    assert parse_call("", CFG) is None
+
+
+def test_name_colon_arguments():
+    turn = "I need 123*4567. <tool_call>calculator:123*4567</tool_call>"
+    assert parse_call(turn, CFG) == ParsedCall("calculator", "123*4567")
+    # spaces around the name and the arguments are dropped
+    assert parse_call("<tool_call> calculator : 2 + 3 \n</tool_call>", CFG) == ParsedCall("calculator", "2 + 3")
+
+
+def test_colons_in_the_arguments_stay_there():
+    # split at the first colon only: a program with a dict and a slice keeps its colons
+    turn = "<tool_call>python:\nd = {'a': 1}\nprint(d['a'], 'x:y'[0:1])\n</tool_call>"
+    assert parse_call(turn, CFG) == ParsedCall("python", "d = {'a': 1}\nprint(d['a'], 'x:y'[0:1])")
+
+
+def test_the_last_call_start_opens_the_call():
+    # an earlier (unclosed) call_start in the turn's text is not part of the call
+    turn = "thinking <tool_call> hmm. <tool_call>calculator:7*6</tool_call>"
+    assert parse_call(turn, CFG) == ParsedCall("calculator", "7*6")
+
+
+def test_json_body():
+    turn = '<tool_call>{"name": "calculator", "arguments": "12*12"}</tool_call>'
+    assert parse_call(turn, CFG) == ParsedCall("calculator", "12*12")
+    # Hermes/Qwen style: the arguments an object; one string value is the argument text
+    turn = '<tool_call>\n{"name": "python", "arguments": {"code": "print(1)"}}\n</tool_call>'
+    assert parse_call(turn, CFG) == ParsedCall("python", "print(1)")
+    # any other arguments are handed over as their JSON text; none at all is empty text
+    turn = '<tool_call>{"name": "search", "arguments": {"q": "x", "k": 3}}</tool_call>'
+    assert parse_call(turn, CFG) == ParsedCall("search", '{"q": "x", "k": 3}')
+    assert parse_call('<tool_call>{"name": "now"}</tool_call>', CFG) == ParsedCall("now", "")
+
+
+@pytest.mark.parametrize(("turn", "reason"), [
+    ("calculator:1+1</tool_call>", "no '<tool_call>' before it"),
+    ("<tool_call>   </tool_call>", "empty call"),
+    ("<tool_call>123*456</tool_call>", "no `:` after the tool name"),
+    ("<tool_call>print('a:b')</tool_call>", "is not a word"),
+    ("<tool_call>:1+1</tool_call>", "is not a word"),
+    ('<tool_call>{"name": "calculator", "arguments": </tool_call>', "bad JSON"),
+    ('<tool_call>{"arguments": "1+1"}</tool_call>', "`name` None is not a word"),
+    ('<tool_call>{"name": ""}</tool_call>', "is not a word"),
+    ('<tool_call>{"name": ["calculator"]}</tool_call>', "is not a word"),
+])  # fmt: skip
+def test_malformed_calls_say_why(turn, reason):
+    parsed = parse_call(turn, CFG)
+    assert isinstance(parsed, MalformedCall)
+    assert reason in parsed.reason
+
+
+def test_only_a_body_starting_with_a_brace_is_read_as_json():
+    # `[1, 2]` is neither a JSON object nor NAME:ARGUMENTS
+    assert parse_call("<tool_call>[1, 2]</tool_call>", CFG) == MalformedCall("no `:` after the tool name in '[1, 2]'")
+
+
+def test_an_unknown_name_is_well_formed():
+    # the ToolBox answers it with `unknown_tool`; parsing does not know the tools
+    assert parse_call("<tool_call>weather:Paris</tool_call>", CFG) == ParsedCall("weather", "Paris")
+
+
+def test_custom_tags_and_stop_strings():
+    cfg = ToolsConfig(builtin=["calculator"], call_start="[[", call_end="]]")
+    assert stop_strings(cfg) == ["]]"]
+    assert stop_strings(CFG) == ["</tool_call>"]
+    assert parse_call("so [[calculator:2**10]]", cfg) == ParsedCall("calculator", "2**10")
+    assert parse_call("<tool_call>calculator:1</tool_call>", cfg) is None
+
+
+# ----- rendering ------------------------------------------------------------------------------------------------
+class _CountingTokenizer:
+    """The real tokenizer, recording every text it encodes."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.encoded: list[str] = []
+
+    def encode(self, text, add_special_tokens=True):
+        assert add_special_tokens is False
+        self.encoded.append(text)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids, skip_special_tokens=False):
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@pytest.fixture(scope="module")
+def char_tokenizer(tmp_path_factory):
+    # The demo's character tokenizer: one token per digit, `+`, `=` (and BOS in front when special tokens are on).
+    return build_tokenizer(tmp_path_factory.mktemp("char_tokenizer"))
+
+
+def _ids(tokenizer, chars: str) -> list[int]:
+    return tokenizer.convert_tokens_to_ids(list(chars))
+
+
+def test_output_within_the_cap_is_wrapped_and_tokenized_once(char_tokenizer):
+    cfg = ToolsConfig(builtin=["calculator"], output_template="={output}=", max_output_tokens=8)
+    tok = _CountingTokenizer(char_tokenizer)
+    rendered = render_output("561741", cfg, tok)
+    assert rendered.text == "=561741="
+    assert rendered.output == "561741" and not rendered.truncated
+    # 8 tokens, one per character, no BOS in front
+    assert rendered.token_ids == _ids(char_tokenizer, "=561741=")
+    # the output alone (to measure it), then the whole rendered text once
+    assert tok.encoded == ["561741", "=561741="]
+
+
+def test_output_over_the_cap_is_cut_and_flagged(char_tokenizer):
+    # 9 digits, cap 4: the first 4 tokens "1234" are kept, then wrapped: 6 tokens
+    cfg = ToolsConfig(builtin=["calculator"], output_template="={output}+", max_output_tokens=4)
+    rendered = render_output("123456789", cfg, char_tokenizer)
+    assert rendered.truncated
+    assert rendered.output == "1234"
+    assert rendered.text == "=1234+"
+    assert rendered.token_ids == _ids(char_tokenizer, "=1234+")
+
+
+def test_output_exactly_at_the_cap_is_not_truncated(char_tokenizer):
+    cfg = ToolsConfig(builtin=["calculator"], output_template="{output}", max_output_tokens=3)
+    rendered = render_output("123", cfg, char_tokenizer)
+    assert (rendered.truncated, rendered.token_ids) == (False, _ids(char_tokenizer, "123"))
+
+
+def test_template_braces_other_than_output_are_literal(char_tokenizer):
+    cfg = ToolsConfig(builtin=["calculator"], output_template="{{{output}}} {x}", max_output_tokens=8)
+    assert render_output("7", cfg, char_tokenizer).text == "{{7}} {x}"
+
+
+def test_default_template_renders_the_tags(char_tokenizer):
+    rendered = render_output("42", CFG, char_tokenizer)
+    assert rendered.text == "<tool_response>42</tool_response>"
+    assert len(rendered.token_ids) == len(char_tokenizer.encode(rendered.text, add_special_tokens=False))
