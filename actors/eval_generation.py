@@ -1,14 +1,26 @@
 """Generation for evaluation and checks, on a rollout worker's engine between training runs.
 
 The evaluation harness (cluster/evaluation.py) and the weight-sync checks call these through `RolloutWorker`.
-They do not go through the decode loop (actors/decode_loop.py): no weights change while they run, so they need
-no safe points or version stamps, and vLLM's batch `generate` with `n` samples per prompt and one seed per
-prompt keeps each prompt's draws independent of how the prompts were split over workers.
+Single-turn generation does not go through the decode loop (actors/decode_loop.py): no weights change while it
+runs, so it needs no safe points or version stamps, and vLLM's batch `generate` with `n` samples per prompt and
+one seed per prompt keeps each prompt's draws independent of how the prompts were split over workers. With tools
+(cfg.tools), evaluation runs the training's agent loop (`agent_responses`): the same stop strings, tool pool,
+budgets and rendering, with one seed per sample and turn.
 """
 
 import zlib
+from typing import Any
 
-from protocols.trajectory import Prompt
+from actors.decode_loop import DecodeLoop, SampleInFlight
+from protocols.tools import ToolsConfig
+from protocols.trajectory import Prompt, Trajectory
+from rewards.tool_calls import stop_strings
+
+
+def tool_stops(tools: ToolsConfig) -> dict:
+    """SamplingParams arguments that end a model turn right after a tool call's closing tag, kept in the output
+    (the agent loop parses it; the model's tokens are taken as sampled, never re-tokenized). None without tools."""
+    return {"stop": stop_strings(tools), "include_stop_str_in_output": True} if tools.enabled else {}
 
 
 def greedy_texts(llm, prompts: list[Prompt], max_tokens: int) -> list[str]:
@@ -34,6 +46,35 @@ def sample_responses(llm, prompts: list[Prompt], n: int, temperature: float, top
     return [[{"text": o.text, "tokens": len(o.token_ids),
               "finish_reason": "length" if o.finish_reason == "length" else "stop"} for o in out.outputs]
             for out in outs]
+
+
+def agent_responses(engine: Any, agent: Any, prompts: list[Prompt], n: int, temperature: float, top_p: float,
+                    seed: int, max_tokens: int) -> list[list[Trajectory]]:
+    """`n` multi-turn responses per prompt through `agent` (an actors/agent_loop.py AgentLoop) on vLLM's
+    `LLMEngine`, in prompt order. Each request is seeded from `seed`, the prompt id, the sample and the turn."""
+    from vllm import SamplingParams
+
+    def params(sample: SampleInFlight, tokens: int) -> Any:
+        key = f"eval/{seed}/{sample.prompt.prompt_id}/{sample.index}/{sample.requests_ended}"
+        return SamplingParams(n=1, temperature=temperature, top_p=top_p if temperature > 0 else 1.0,
+                              max_tokens=tokens, logprobs=0, seed=zlib.crc32(key.encode()) & 0x7FFFFFFF,
+                              **tool_stops(agent.cfg))
+
+    loop = DecodeLoop(engine, params, n, max_tokens, worker_id=0, on_request_end=agent)
+    for i, prompt in enumerate(prompts):
+        loop.start_group(f"eval/{i}", prompt)
+    done: dict[str, list[Trajectory]] = {}
+    while loop.has_unfinished():
+        done.update((group.group_id, group.trajectories) for group in loop.step(0))
+    return [done[f"eval/{i}"] for i in range(len(prompts))]
+
+
+def response_row(trajectory: Trajectory) -> dict:
+    """A multi-turn response as `sample_responses` gives one: `text` is what the verifier scores (the final
+    answer, after the last tool segment); `response` the whole text, tool segments included."""
+    return {"text": trajectory.final_text, "tokens": len(trajectory.response_token_ids),
+            "finish_reason": trajectory.finish_reason, "response": trajectory.response_text,
+            "tool_calls": len(trajectory.tool_calls or [])}
 
 
 def sequence_logprobs(llm, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:

@@ -16,7 +16,8 @@ import zlib
 import ray
 
 from actors import eval_generation
-from actors.decode_loop import DecodeLoop, SampleInFlight
+from actors.agent_loop import AgentLoop
+from actors.decode_loop import DecodeLoop, SampleInFlight, finish_every_request
 from actors.score_router import ScoreRouter
 from actors.vllm_weights import load_checkpoint_weights, tensor_parallel_engine_args
 from actors.weight_probe_requests import ProbingEngine
@@ -88,9 +89,12 @@ class RolloutWorker:
             self.probing = ProbingEngine(self.engine, probe)
         self.skip_on_load: str | None = None
         """Tests only (`inject_weight_fault`): a tensor every later load leaves out, as a broken transport would."""
+        self.agent = AgentLoop(cfg.tools, cfg.reward, self.tokenizer) if cfg.tools.enabled else None
+        """With tools (cfg.tools): the agent loop, which runs a sample's tool calls beside the engine."""
         self.decoding = DecodeLoop(self.probing or self.engine, self._sampling_params, cfg.rollout.samples_per_prompt,
-                                   cfg.rollout.max_response_tokens, worker_id)
-        """The groups in the engine. Its `on_request_end` hook is where a multi-turn agent loop plugs in."""
+                                   cfg.rollout.max_response_tokens, worker_id,
+                                   on_request_end=self.agent or finish_every_request)
+        """The groups in the engine; with tools, a sample continues after each tool call (`self.agent`)."""
         self.router = ScoreRouter(reward_workers or [], reference_workers or [], critic_workers or [],
                                   cfg.fault.max_rescore_attempts, cfg.fault.batch_timeout_s)
         self.versions_seen: list[int] = [0]
@@ -151,7 +155,7 @@ class RolloutWorker:
         if sample.requests_ended:
             key += f"/{sample.requests_ended}"
         return SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p, max_tokens=max_tokens, logprobs=0,
-                              seed=zlib.crc32(key.encode()) & 0x7FFFFFFF)
+                              seed=zlib.crc32(key.encode()) & 0x7FFFFFFF, **eval_generation.tool_stops(self.cfg.tools))
 
     def _collect_scored(self, block: bool = False) -> None:
         """Hand the policy the scoring tasks that finished, as object refs (the controller resolves them)."""
@@ -209,7 +213,8 @@ class RolloutWorker:
             if decoding.has_unfinished():
                 t0 = time.perf_counter()
                 groups = decoding.step(self.version)
-                stats["generate_s"] += time.perf_counter() - t0
+                # a step that only waited for tools (the engine had nothing to decode) is idle time
+                stats["generate_s" if decoding.decoded else "idle_s"] += time.perf_counter() - t0
                 for group in groups:
                     stats["groups"] += 1
                     stats["tokens"] += sum(len(t.response_token_ids) for t in group.trajectories)
@@ -237,18 +242,34 @@ class RolloutWorker:
         wall = time.perf_counter() - start
         return {**stats, "wall_s": wall, "sync_s": self.sync_seconds, "version": self.version,
                 "versions_seen": list(self.versions_seen), **self.router.counts,
-                "weight_probes": self.weight_probes()}
+                "weight_probes": self.weight_probes(),
+                **({"tools": self.agent.report()} if self.agent is not None else {})}
 
     # --- evaluation and checks (not while `run` is going) --------------------------------------------------------
     def generate_greedy(self, prompts: list[Prompt]) -> list[str]:
-        """Greedy responses for held-out evaluation."""
+        """Greedy responses for held-out evaluation (with tools: each one's final answer, through the agent loop)."""
+        if self.agent is not None:
+            return [samples[0].final_text for samples in self._agent_responses(prompts, 1, 0.0, 1.0, 0)]
         return eval_generation.greedy_texts(self.llm, prompts, self.cfg.rollout.max_response_tokens)
 
     def generate_eval(self, prompts: list[Prompt], n: int, temperature: float, top_p: float,
                       seed: int) -> list[list[dict]]:
-        """`n` responses per prompt for the evaluation harness (see `eval_generation.sample_responses`)."""
+        """`n` responses per prompt for the evaluation harness (see `eval_generation.sample_responses`; with
+        tools, `eval_generation.response_row` of each agent-loop response)."""
+        if self.agent is not None:
+            return [[eval_generation.response_row(t) for t in samples]
+                    for samples in self._agent_responses(prompts, n, temperature, top_p, seed)]
         return eval_generation.sample_responses(self.llm, prompts, n, temperature, top_p, seed,
                                                 self.cfg.rollout.max_response_tokens)
+
+    def _agent_responses(self, prompts: list[Prompt], n: int, temperature: float, top_p: float, seed: int) -> list:
+        # an agent loop of its own, so evaluation's tool calls stay out of the training run's counters
+        agent = AgentLoop(self.cfg.tools, self.cfg.reward, self.tokenizer, toolbox=self.agent.toolbox)
+        try:
+            return eval_generation.agent_responses(self.engine, agent, prompts, n, temperature, top_p, seed,
+                                                   self.cfg.rollout.max_response_tokens)
+        finally:
+            agent.close()
 
     def sequence_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
         """log p(response token) under the engine's current weights, for checking that a weight sync is exact."""

@@ -183,17 +183,19 @@ def evaluate_set(rollout_workers: list, reward_workers: list, eval_set: EvalSet,
 
 
 def write_rows(path: str | Path, set_name: str, flat: list[tuple], results: list) -> None:
-    """One JSON line per generation: set, prompt_id, sample (-1 greedy, else 0..K-1), response, tokens,
-    finish_reason, gold, extracted (the verifier's reading of the answer, null if it has none), reward, correct,
-    error ("" when the check ran)."""
+    """One JSON line per generation: set, prompt_id, sample (-1 greedy, else 0..K-1), response (with tools: the
+    whole text, tool segments included; the verifier scored the final answer), tokens, finish_reason, gold,
+    extracted (the verifier's reading of the answer, null if it has none), reward, correct, error ("" when the
+    check ran), and with tools tool_calls (how many the response made)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         for (prompt, index, gen), result in zip(flat, results, strict=True):
             f.write(json.dumps({
-                "set": set_name, "prompt_id": prompt.prompt_id, "sample": index, "response": gen["text"],
+                "set": set_name, "prompt_id": prompt.prompt_id, "sample": index,
+                "response": gen.get("response", gen["text"]),
                 "tokens": gen["tokens"], "finish_reason": gen["finish_reason"], "gold": prompt.answer,
                 "extracted": result.info.get("extracted"), "reward": result.reward, "correct": result.correct,
-                "error": result.error,
+                "error": result.error, **({"tool_calls": gen["tool_calls"]} if "tool_calls" in gen else {}),
             }) + "\n")
 
 
