@@ -26,13 +26,15 @@ def _add(spec: VerifierSpec) -> None:
 
 
 def register_verifier(
-    name: str, batched: bool = False, configure: Callable[[RewardConfig], None] | None = None
+    name: str, batched: bool = False, configure: Callable[[RewardConfig], None] | None = None,
+    wants_tool_calls: bool = False,
 ) -> Callable[[Callable], Callable]:
     """Decorator: `@register_verifier("mine")` makes the function usable as `reward.verifier: mine`; `configure`
-    receives the run's `reward` settings in each scorer process before scoring."""
+    receives the run's `reward` settings in each scorer process before scoring; `wants_tool_calls` hands the
+    function each sample's tool calls as `tool_calls=` (rewards/spec.py)."""
 
     def wrap(fn: Callable) -> Callable:
-        _add(VerifierSpec(name=name, fn=fn, batched=batched, configure=configure))
+        _add(VerifierSpec(name=name, fn=fn, batched=batched, configure=configure, wants_tool_calls=wants_tool_calls))
         return fn
 
     return wrap
@@ -53,7 +55,7 @@ def _import_builtins() -> None:
 
 def resolve_verifier(name: str) -> VerifierSpec:
     """Return the verifier registered as `name`, or import `module:function` (single form unless the function
-    has an attribute `batched = True`)."""
+    has an attribute `batched = True`; given the tool calls when it has `wants_tool_calls = True`)."""
     if ":" in name:
         module_name, _, attr = name.partition(":")
         try:
@@ -63,7 +65,8 @@ def resolve_verifier(name: str) -> VerifierSpec:
                 f"reward.verifier={name!r} could not be imported ({err}); give `module:function` with the module "
                 f"on PYTHONPATH, or a registered name: {sorted(_REGISTRY)}"
             ) from err
-        return VerifierSpec(name=name, fn=fn, batched=bool(getattr(fn, "batched", False)))
+        return VerifierSpec(name=name, fn=fn, batched=bool(getattr(fn, "batched", False)),
+                            wants_tool_calls=bool(getattr(fn, "wants_tool_calls", False)))
     _import_builtins()
     if name not in _REGISTRY:
         raise ValueError(f"reward.verifier={name!r} is not registered; use one of {sorted(_REGISTRY)} or `module:function`")

@@ -20,7 +20,7 @@ from multiprocessing.connection import Connection, wait
 
 from protocols.metrics import reward_worker_metrics
 from protocols.reward import RewardConfig
-from protocols.trajectory import Prompt, TrajectoryGroup, VerifierResult
+from protocols.trajectory import Prompt, ToolCall, TrajectoryGroup, VerifierResult
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +31,8 @@ _MAX_CHUNK = 32
 _MESSAGE_CHARS = 500
 
 # One unit of work: single-form verifiers take one sample, batched ones a list. Items are
-# (index, prompt, response, num_response_tokens).
-Item = tuple[int, Prompt, str, int]
+# (index, prompt, response, num_response_tokens, tool_calls).
+Item = tuple[int, Prompt, str, int, list[ToolCall]]
 
 
 @dataclass
@@ -69,12 +69,15 @@ class Scorer:
 
     # ----- public API -------------------------------------------------------------------------------------
     def score(self, prompts: list[Prompt], responses: list[str], num_tokens: list[int] | None = None,
-              count: bool = True) -> list[VerifierResult]:
-        """One result per response, in order. Never raises for a verifier's failure: that sample gets reward 0
-        and `error` set to `exception`, `timeout` or `crash`. `count=False` (held-out evaluation) keeps these
-        samples out of `metrics()`, except process restarts."""
+              count: bool = True, tool_calls: list[list[ToolCall] | None] | None = None) -> list[VerifierResult]:
+        """One result per response (the model's final answer), in order. Never raises for a verifier's failure:
+        that sample gets reward 0 and `error` set to `exception`, `timeout` or `crash`. `count=False` (held-out
+        evaluation) keeps these samples out of `metrics()`, except process restarts. `tool_calls` (one list or
+        None per response) reaches the verifiers that ask for it (VerifierSpec.wants_tool_calls)."""
         num_tokens = num_tokens if num_tokens is not None else [0] * len(responses)
-        items = [(i, p, r, n) for i, (p, r, n) in enumerate(zip(prompts, responses, num_tokens, strict=True))]
+        calls = tool_calls if tool_calls is not None else [None] * len(responses)
+        items = [(i, p, r, n, list(c or [])) for i, (p, r, n, c)
+                 in enumerate(zip(prompts, responses, num_tokens, calls, strict=True))]
         results: list[VerifierResult | None] = [None] * len(items)
         kept = self._counts
         if not count:
@@ -88,10 +91,12 @@ class Scorer:
         return results  # type: ignore[return-value]
 
     def score_group(self, group: TrajectoryGroup) -> TrajectoryGroup:
-        """Fills `reward` and `result` of every trajectory (their `response_text` is already decoded)."""
+        """Fills `reward` and `result` of every trajectory (their `response_text` is already decoded). The
+        verifier reads each one's final answer (`final_text`: all of it for a single-turn response)."""
         trajs = group.trajectories
         results = self.score(
-            [t.prompt for t in trajs], [t.response_text for t in trajs], [len(t.response_token_ids) for t in trajs]
+            [t.prompt for t in trajs], [t.final_text for t in trajs], [len(t.response_token_ids) for t in trajs],
+            tool_calls=[t.tool_calls for t in trajs],
         )
         for traj, result in zip(trajs, results, strict=True):
             traj.result = result
@@ -287,11 +292,13 @@ def _run_unit(unit: _Unit, cfg: RewardConfig) -> list[tuple]:
         signal.setitimer(signal.ITIMER_REAL, cfg.timeout_s * len(unit.items))
         try:
             if unit.batched:
-                raw = list(spec.fn([it[1] for it in unit.items], [it[2] for it in unit.items]))
+                extra = {"tool_calls": [it[4] for it in unit.items]} if spec.wants_tool_calls else {}
+                raw = list(spec.fn([it[1] for it in unit.items], [it[2] for it in unit.items], **extra))
                 if len(raw) != len(unit.items):
                     raise ValueError(f"batched verifier {unit.verifier!r} returned {len(raw)} results for {len(unit.items)} responses")
             else:
-                raw = [spec.fn(unit.items[0][1], unit.items[0][2])]
+                extra = {"tool_calls": unit.items[0][4]} if spec.wants_tool_calls else {}
+                raw = [spec.fn(unit.items[0][1], unit.items[0][2], **extra)]
             shaped = [compose(as_result(r, unit.verifier), it[2], it[3], cfg.shaping) for r, it in zip(raw, unit.items, strict=True)]
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
