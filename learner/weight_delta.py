@@ -7,7 +7,10 @@ Exact by construction: elements are compared and copied as raw bits (an integer 
 for bit. Per tensor the smallest exact form is chosen (sizes for n elements of s bytes, k of them changed):
 
     unchanged   0 bytes                      (k = 0)
-    indices     4k (int32) + s*k             (few changes: k < n/32 for any s)
+    indices     4k (int32) + s*k             (very few changes)
+    gaps        (1 + s)*e                    (a few percent: the distance to the previous change in one byte;
+                                              a longer distance adds an entry every 255 elements, which rewrites
+                                              an unchanged element with its own bits: e >= k entries)
     bitmask     n/8 + s*k                    (many changes)
     dense       s*n                          (almost all changed: fp32 weights under Adam)
     alias       0 bytes: equal to an earlier tensor of this version (tied lm_head = embed_tokens)
@@ -21,8 +24,10 @@ from typing import Iterable, Iterator
 
 import torch
 
-UNCHANGED, INDICES, BITMASK, DENSE, ALIAS = 0, 1, 2, 3, 4
-KIND_NAMES = {UNCHANGED: "unchanged", INDICES: "indices", BITMASK: "bitmask", DENSE: "dense", ALIAS: "alias"}
+UNCHANGED, INDICES, BITMASK, DENSE, ALIAS, GAPS = 0, 1, 2, 3, 4, 5
+KIND_NAMES = {UNCHANGED: "unchanged", INDICES: "indices", GAPS: "gaps", BITMASK: "bitmask", DENSE: "dense",
+              ALIAS: "alias"}
+MAX_GAP = 255  # one byte per entry
 FORMAT = 1  # first int64 of every payload; bump when the layout below changes
 _ALIGN = 8
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -60,6 +65,8 @@ def section_bytes(kind: int, n: int, k: int, itemsize: int) -> int:
     """Bytes a tensor of n elements (k changed) takes in a payload with `kind` (sections padded to 8 bytes)."""
     if kind == INDICES:
         return _pad(4 * k) + _pad(itemsize * k)
+    if kind == GAPS:  # k: entries here
+        return _pad(k) + _pad(itemsize * k)
     if kind == BITMASK:
         return _pad(-(-n // 8)) + _pad(itemsize * k)
     if kind == DENSE:
@@ -67,12 +74,31 @@ def section_bytes(kind: int, n: int, k: int, itemsize: int) -> int:
     return 0
 
 
-def choose_kind(n: int, k: int, itemsize: int) -> int:
-    """The smallest exact form for n elements of which k changed (int32 indices need n < 2**31)."""
+def choose_kind(n: int, k: int, itemsize: int, gap_entries: int | None = None) -> int:
+    """The smallest exact form for n elements of which k changed (int32 indices need n < 2**31); `gap_entries`:
+    the entries the gaps form would take (None: not considered)."""
     if k == 0:
         return UNCHANGED
-    kinds = [BITMASK, DENSE] + ([INDICES] if n < 2**31 else [])
-    return min(kinds, key=lambda kind: section_bytes(kind, n, k, itemsize))
+    sizes = {BITMASK: section_bytes(BITMASK, n, k, itemsize), DENSE: section_bytes(DENSE, n, k, itemsize)}
+    if n < 2**31:
+        sizes[INDICES] = section_bytes(INDICES, n, k, itemsize)
+    if gap_entries is not None:
+        sizes[GAPS] = section_bytes(GAPS, n, gap_entries, itemsize)
+    return min(sizes, key=sizes.get)
+
+
+def gap_positions(index: torch.Tensor) -> torch.Tensor:
+    """The positions the gaps form sends for sorted changed positions `index`: each change, plus one entry every
+    MAX_GAP elements of a longer run without one (those rewrite an unchanged element; the result stays exact)."""
+    gaps = torch.diff(index, prepend=index.new_full((1,), -1))
+    counts = (gaps + MAX_GAP - 1) // MAX_GAP
+    steps = torch.full((int(counts.sum()),), MAX_GAP, dtype=torch.int64)
+    steps[counts.cumsum(0) - 1] = gaps - MAX_GAP * (counts - 1)
+    return steps.cumsum(0) - 1
+
+
+def _gap_bytes(positions: torch.Tensor) -> torch.Tensor:
+    return torch.diff(positions, prepend=positions.new_full((1,), -1)).to(torch.uint8)
 
 
 class PreviousWeights:
@@ -164,11 +190,19 @@ class PreviousWeights:
             mask = cur_bits != prev_bits
             k = int(mask.sum())
             changed += k
-            kind = choose_kind(n, k, itemsize)
-            kinds[KIND_NAMES[kind]] += 1
-            rows.append((kind, k, -1))
-            if kind == INDICES:
+            index_tensor = positions = None
+            if 0 < k and section_bytes(INDICES, n, k, itemsize) < section_bytes(BITMASK, n, k, itemsize) * 2:
+                # few enough changes that a form listing them may win: count what the gaps form would take
                 index_tensor = mask.nonzero().reshape(-1)
+                positions = gap_positions(index_tensor)
+            kind = choose_kind(n, k, itemsize, None if positions is None else positions.numel())
+            kinds[KIND_NAMES[kind]] += 1
+            rows.append((kind, positions.numel() if kind == GAPS else k, -1))
+            if kind == GAPS:
+                values = cur_bits[positions]
+                sections += [_gap_bytes(positions), _as_bytes(values)]
+                prev_bits[positions] = values
+            elif kind == INDICES:
                 values = cur_bits[index_tensor]
                 sections += [_as_bytes(index_tensor.to(torch.int32)), _as_bytes(values)]
                 prev_bits[index_tensor] = values
@@ -213,7 +247,12 @@ def apply_delta(held: list[tuple[str, torch.Tensor]], payload: torch.Tensor) -> 
     for (name, tensor), (kind, k, source) in zip(held, table):
         flat = bits(tensor)
         n, itemsize = flat.numel(), tensor.element_size()
-        if kind == INDICES:
+        if kind == GAPS:  # k entries
+            positions = payload[offset: offset + k].long().cumsum(0) - 1
+            offset += _pad(k)
+            flat[positions] = payload[offset: offset + itemsize * k].view(flat.dtype)
+            offset += _pad(itemsize * k)
+        elif kind == INDICES:
             index = payload[offset: offset + 4 * k].view(torch.int32).long()
             offset += _pad(4 * k)
             flat[index] = payload[offset: offset + itemsize * k].view(flat.dtype)
@@ -237,3 +276,14 @@ def apply_delta(held: list[tuple[str, torch.Tensor]], payload: torch.Tensor) -> 
 def delta_ratio(payload_bytes: int, dense_bytes: int) -> float:
     """Dense bytes over delta bytes (how many times smaller the delta is)."""
     return dense_bytes / payload_bytes if payload_bytes else math.inf
+
+
+def delta_metrics(announcement: dict) -> dict[str, float]:
+    """For metrics.jsonl: weights/delta_full (1 when the version went in full: the first one, or after a new
+    group) and weights/changed_frac (elements changed since the previous version); {} when weight_sync is dense."""
+    stats = announcement.get("delta")
+    if stats is None:
+        return {}
+    if stats.get("base_version") is None:
+        return {"weights/delta_full": 1.0}
+    return {"weights/delta_full": 0.0, "weights/changed_frac": stats["changed_elements"] / max(stats["elements"], 1)}

@@ -4,8 +4,8 @@ in fp32 and bf16, for sparse, dense, empty and aliased changes, and the size of 
 import pytest
 import torch
 
-from learner.weight_delta import (ALIAS, BITMASK, DENSE, INDICES, UNCHANGED, PreviousWeights, apply_delta, bits,
-                                  choose_kind, pack_bits, section_bytes, unpack_bits)
+from learner.weight_delta import (ALIAS, BITMASK, DENSE, GAPS, INDICES, UNCHANGED, PreviousWeights, apply_delta,
+                                  bits, choose_kind, gap_positions, pack_bits, section_bytes, unpack_bits)
 
 
 def _model(seed: int, dtype: torch.dtype, tied: bool = True) -> list[tuple[str, torch.Tensor]]:
@@ -40,7 +40,7 @@ def _same_bits(a, b) -> bool:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("fraction", [0.0, 0.01, 0.3, 1.0])
+@pytest.mark.parametrize("fraction", [0.0, 0.002, 0.01, 0.05, 0.3, 1.0])
 def test_deltas_reproduce_every_version_bit_for_bit(dtype, fraction):
     prev = PreviousWeights()
     version = _model(0, dtype)
@@ -99,6 +99,9 @@ def test_choose_kind_takes_the_smallest_exact_form():
     assert choose_kind(1024, 1000, 2) == DENSE  # 128 + 2000 > 2048
     assert section_bytes(INDICES, 1024, 10, 2) == 40 + 24 and section_bytes(BITMASK, 1024, 100, 2) == 128 + 200
     assert ALIAS not in (choose_kind(8, k, 4) for k in range(9))
+    # 100 changes in 100 gap entries: 104 + 200 bytes, below bitmask's 128 + 200; 120 entries (120 + 240) are not
+    assert choose_kind(1024, 100, 2, gap_entries=100) == GAPS
+    assert choose_kind(1024, 100, 2, gap_entries=120) == BITMASK
 
 
 def test_pack_bits_round_trips_any_length():
@@ -111,13 +114,21 @@ def test_pack_bits_round_trips_any_length():
 
 
 def test_sparse_bf16_change_is_at_least_ten_times_smaller():
-    # 1% of bf16 elements changed: indices cost 6 bytes per change, 0.06 bytes per element against 2 dense
+    # 1% of bf16 elements changed: gaps cost about 3 bytes per change (1 + 2, plus an entry per 255 unchanged in
+    # a row), 0.03 bytes per element against 2 dense; int32 indices would cost 6
     prev = PreviousWeights()
     weights = [("w", torch.randn(256, 256).to(torch.bfloat16))]
     list(prev.record(iter(weights), 1))
     payload = prev.encode(iter(_step(weights, 0.01, seed=3)), 2)
-    assert payload.numel() * 10 < 256 * 256 * 2
-    assert prev.last_stats["kinds"]["indices"] == 1
+    changed = prev.last_stats["changed_elements"]
+    assert payload.numel() * 50 < 256 * 256 * 2 and payload.numel() < 6 * changed
+    assert prev.last_stats["kinds"]["gaps"] == 1
+
+
+def test_gap_positions_add_an_entry_every_255_unchanged():
+    # changes at 0 and 600: gaps 1 and 600; 600 takes three entries (255, 255, 90) -> positions 0, 255, 510, 600
+    assert gap_positions(torch.tensor([0, 600])).tolist() == [0, 255, 510, 600]
+    assert gap_positions(torch.tensor([254, 255])).tolist() == [254, 255]
 
 
 def test_a_changed_model_refuses_a_delta_and_the_next_publish_must_be_full():
@@ -250,3 +261,13 @@ def test_collective_deltas_over_gloo_equal_a_full_broadcast(dtype):
     finally:
         for receiver in receivers:
             receiver.close()
+
+
+def test_delta_metrics_say_full_or_the_changed_fraction():
+    from learner.weight_delta import delta_metrics
+
+    assert delta_metrics({"num_bytes": 10}) == {}  # dense
+    assert delta_metrics({"delta": {"base_version": None, "payload_bytes": 10}}) == {"weights/delta_full": 1.0}
+    # 25 of 1000 elements changed
+    assert delta_metrics({"delta": {"base_version": 3, "changed_elements": 25, "elements": 1000}}) == {
+        "weights/delta_full": 0.0, "weights/changed_frac": 0.025}
