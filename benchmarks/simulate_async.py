@@ -2,13 +2,16 @@
 replay queue and staleness rules run with timed stand-ins for 64+ vLLM engines and the learner
 (`cluster/simulator.py`). Prints throughput against the ideal bound min(generation, training capacity), the
 learner's idle share and the speedup over the synchronous baseline of the same scenario, all from one run.
+`--multi-turn` runs the tool-using rows instead (`cluster/sim_tools.py`): tool calls of 0 to 1000 decode steps,
+each against the ideal bound, the same run with tools that answer at once, and its synchronous baseline.
 
-    python benchmarks/simulate_async.py [--engines 64] [--steps 40] [--warmup 8] [--seed 0]
+    python benchmarks/simulate_async.py [--engines 64] [--steps 40] [--warmup 8] [--seed 0] [--multi-turn]
 """
 
 import argparse
 import time
 
+from cluster.sim_tools import ToolScenario, decode_step_seconds
 from cluster.simulator import SimulationResult, SimulatorConfig, balanced, simulate
 
 
@@ -29,6 +32,51 @@ def scenarios(base: SimulatorConfig) -> list[tuple[str, SimulatorConfig]]:
     return rows
 
 
+def multi_turn_scenarios(base: SimulatorConfig) -> list[tuple[str, float, SimulatorConfig]]:
+    """(name, tool seconds in decode steps, config) rows: `base` with Poisson(4) tool calls per sample of 64 output
+    tokens each, exponential tool seconds, the learner balanced against generation in response tokens."""
+    step = decode_step_seconds(base)
+
+    def with_tools(steps: float, **tools) -> SimulatorConfig:
+        return balanced(base.model_copy(update={"tools": ToolScenario(seconds_per_call=steps * step, **tools)}))
+
+    rows = [(f"tool call {m:g} decode steps", m, with_tools(m)) for m in (0, 1, 10, 100, 1000)]
+    rows.append(("tool call 10 decode steps, continuations first", 10, with_tools(10, continue_first=True)))
+    rows.append(("tool call 1000 decode steps, continuations first", 1000, with_tools(1000, continue_first=True)))
+    rows.append(("tool call 10 decode steps, pool of 4 per worker", 10, with_tools(10, pool_size=4)))
+    return rows
+
+
+def run_multi_turn(base: SimulatorConfig) -> None:
+    """The multi-turn table. `of ideal`: trained response tokens/s (sampled + tool tokens) over min(generation
+    capacity with every engine slot decoding at every step, training capacity); `of no-latency`: over the same
+    scenario whose tools answer at once (same turns, tokens and queue policy)."""
+    print(f"multi-turn: Poisson(4) tool calls per sample (at most 7: max_turns 8), 64 tool tokens each, exponential "
+          f"tool seconds; a decode step of a full engine is {decode_step_seconds(base):.3f} s\n")
+    header = ("| scenario | tool s | k | throughput tok/s | ideal | of ideal | of no-latency | gen util "
+              "| sync of ideal | x sync | stale drops | sim wall s |")
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    no_latency: dict[bool, SimulationResult] = {}
+    for name, steps, cfg in multi_turn_scenarios(base):
+        start = time.perf_counter()
+        result, sync = simulate(cfg), simulate(cfg.synchronous())
+        wall = time.perf_counter() - start
+        first = cfg.tools.continue_first
+        if steps == 0:
+            no_latency[first] = result
+        if first not in no_latency:
+            no_latency[first] = simulate(cfg.model_copy(update={"tools": cfg.tools.model_copy(
+                update={"seconds_per_call": 0.0})}))
+        c = result.capacities
+        print(f"| {name} | {cfg.tools.seconds_per_call:.3g} | {cfg.max_staleness} | {result.throughput:,.0f} "
+              f"| {c['ideal']:,.0f} | {result.fraction_of_ideal:.3f} "
+              f"| {result.throughput / no_latency[first].throughput:.3f} "
+              f"| {result.generated_tokens_per_s / c['decode_capacity']:.3f} "
+              f"| {sync.fraction_of_ideal:.3f} | {result.throughput / sync.throughput:.2f} "
+              f"| {result.drops.get('stale', 0)} | {wall:.1f} |", flush=True)
+
+
 def fmt_drops(result: SimulationResult) -> str:
     # groups aborted when the run stops are an end-of-run artefact, not a loss of the steady state
     drops = {k: v for k, v in result.drops.items() if v and k != "aborted_at_stop"}
@@ -41,6 +89,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--multi-turn", action="store_true", help="tool-using rows (cluster/sim_tools.py)")
     args = parser.parse_args()
     base = balanced(SimulatorConfig(num_engines=args.engines, prompts_per_step=8 * args.engines, steps=args.steps,
                                     warmup_steps=args.warmup, seed=args.seed))
@@ -52,6 +101,9 @@ def main() -> None:
           f"decode step {cap['decode_fixed_seconds']} + {cap['decode_seconds_per_seq']} * seqs s; weight load "
           f"{cap['sync_seconds']} s; learner {cap['learner_fixed_seconds']} + {cap['learner_seconds_per_token']:.3g}"
           f" * tokens s; steps {args.steps} (first {args.warmup} not measured)\n")
+    if args.multi_turn:
+        run_multi_turn(base)
+        return
     header = ("| scenario | engines | k | partial | throughput tok/s | gen cap | train cap | ideal | of ideal | "
               "gen util | learner idle | x sync | max stale | drops (groups) | sim wall s |")
     print(header)

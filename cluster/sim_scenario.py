@@ -150,6 +150,8 @@ def capacities(cfg: SimulatorConfig) -> dict[str, float]:
     the decode capacity times mean response / mean sampled tokens."""
     lengths_only = cfg.model_copy(update={k: v for k, v in SimulatorConfig().model_dump().items()
                                           if k not in (*LENGTH_FIELDS, "tools")})
+    if cfg.tools is not None:
+        lengths_only = lengths_only.model_copy(update={"tools": cfg.tools.lengths_only()})
     if cfg.tools is None:
         mean_length = mean_generated = _mean_length(lengths_only)
     else:

@@ -52,6 +52,12 @@ class ToolScenario(BaseModel):
     first-come-first-served policy, so with a deep queue (prompts_in_flight * G > max_num_seqs) it waits for the
     queue to drain, its group ages, and more groups go stale."""
 
+    def lengths_only(self) -> "ToolScenario":
+        """The fields that shape a response's tokens (calls and output tokens), others at their defaults and no
+        tool seconds: plans from it have the same turns and draw no seconds."""
+        return ToolScenario(calls_per_sample=self.calls_per_sample, calls_distribution=self.calls_distribution,
+                            max_turns=self.max_turns, output_tokens=self.output_tokens, seconds_per_call=0.0)
+
 
 @dataclass(frozen=True)
 class SamplePlan:
@@ -137,7 +143,6 @@ def mean_lengths(tools: ToolScenario, length_of, seed: int, max_response_tokens:
     """(mean sampled tokens, mean response tokens) per sample over `samples` plans; `length_of(rng)` draws a
     single-turn response length."""
     lengths_rng, tools_rng = random.Random(f"{seed}/capacity"), random.Random(f"{seed}/capacity/tools")
-    tools = tools.model_copy(update={"seconds_per_call": 0.0})  # seconds change no length: draw none
     generated = response = 0
     for _ in range(samples):
         plan = plan_sample(tools_rng, tools, length_of(lengths_rng), max_response_tokens)

@@ -17,7 +17,9 @@ running sequence; requests beyond max_num_seqs wait FCFS as in vLLM's scheduler;
 response lengths (lognormal plus a share that runs to max_response_tokens, as in long chain-of-thought),
 rewards (Bernoulli per sample at a per-prompt success rate), reward workers (instant), a weight load (a fixed
 pause) and the learner step (c + d * tokens). The driver's long poll for a batch (`wait_batch`) and the worker's
-3 ms idle sleep are replaced by reacting at once to the events that can change their answer.
+3 ms idle sleep are replaced by reacting at once to the events that can change their answer. With
+`SimulatorConfig.tools`, samples are multi-turn (cluster/sim_tools.py): at a tool call a sample leaves its slot
+while the tool runs and continues as a new request; tool tokens are in the response but never decoded.
 """
 
 import gc
