@@ -1,6 +1,7 @@
 """Figures of a run folder: PNGs drawn from `metrics.jsonl` (and `summary.json` when present) with matplotlib.
 
-`plot_run(RUN_DIR)` writes `RUN_DIR/plots/*.png`: one figure per topic and `overview.png` with every panel.
+`plot_run(RUN_DIR)` writes `RUN_DIR/plots/*.png`: one figure per topic and `overview.png` with every panel (the
+tool panels only for a run that logged `tools/*`).
 Called by `relayrl plot RUN_DIR` and once at the end of every run (Trainer.run). The learner's bare metric names
 (`is_weight_mean`) also match a prefixed key (`learner/is_weight_mean`).
 """
@@ -222,6 +223,39 @@ def panel_phases(ax: Axes, rows: list[dict], summary: dict) -> bool:
     return True
 
 
+def panel_tools(ax: Axes, rows: list[dict], summary: dict) -> bool:
+    ax.set_title("tool use (training batches)")
+    drawn = _lines(ax, rows, ["tools/calls_per_sample", "tools/turns_per_sample"], "per sample")
+    twin = ax.twinx()
+    shares = False
+    for name, style in (("tools/call_rate", "--"), ("tools/token_share", ":"), ("tools/max_turns_share", "-.")):
+        x, y = series(rows, name)
+        if x:
+            twin.plot(x, smooth(y, max(1, len(x) // 25)), color="gray", linestyle=style, label=name)
+            shares = True
+    if shares:
+        twin.set_ylim(0, 1.05)
+        twin.set_ylabel("share of samples / tokens")
+        twin.legend(fontsize=7, loc="upper right")
+    else:
+        twin.remove()
+    return drawn or shares
+
+
+def panel_tool_errors(ax: Axes, rows: list[dict], summary: dict) -> bool:
+    ax.set_title("tool errors, cut outputs, malformed calls")
+    names = sorted({k for row in rows for k in row if k.startswith("tools/errors_")})
+    drawn = _lines(ax, rows, [*names, "tools/truncated_outputs", "tools/malformed_calls"], "calls")
+    x, y = series(rows, "tools/seconds_mean")
+    if x:
+        twin = ax.twinx()
+        twin.plot(x, smooth(y, max(1, len(x) // 25)), color="gray", linestyle="--", label="tools/seconds_mean")
+        twin.set_ylim(bottom=0)
+        twin.set_ylabel("seconds per call")
+        twin.legend(fontsize=7, loc="upper right")
+    return drawn or bool(x)
+
+
 Panel = Callable[[Axes, list[dict], dict], bool]
 
 FIGURES: dict[str, Panel] = {
@@ -234,6 +268,9 @@ FIGURES: dict[str, Panel] = {
     "time_per_phase": panel_phases,
 }
 """One PNG per entry (file name without .png); overview.png holds every panel."""
+
+TOOL_FIGURES: dict[str, Panel] = {"tools": panel_tools, "tool_errors": panel_tool_errors}
+"""Drawn after FIGURES, only for a run that logged `tools/*` metrics (tools enabled)."""
 
 
 def _no_data(ax: Axes, what: str) -> None:
@@ -249,16 +286,22 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     out = Path(out_dir) if out_dir is not None else Path(run_dir) / "plots"
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    overview = Figure(figsize=(18, 9), layout="constrained")
-    axes = overview.subplots(2, 4).flatten()
+    figures = dict(FIGURES)
+    if any(k.startswith("tools/") for row in rows for k in row):
+        figures.update(TOOL_FIGURES)
+    grid_rows = math.ceil((len(figures) + 1) / 4)  # the panels and the summary text, four a row
+    overview = Figure(figsize=(18, 4.5 * grid_rows), layout="constrained")
+    axes = overview.subplots(grid_rows, 4).flatten()
     title = f"{Path(run_dir).resolve().name}: {len(rows)} logged steps"
     overview.suptitle(title)
-    for ax, (name, panel) in zip(axes, FIGURES.items()):
+    for ax, (name, panel) in zip(axes, figures.items()):
         if not panel(ax, rows, summary):
             _no_data(ax, name)
+    for ax in axes[len(figures):-1]:
+        ax.axis("off")
     _summary_text(axes[-1], rows, summary)
     written.append(_save(overview, out / "overview.png"))
-    for name, panel in FIGURES.items():
+    for name, panel in figures.items():
         fig = Figure(figsize=(7, 4.5), layout="constrained")
         ax = fig.subplots()
         if not panel(ax, rows, summary):
@@ -276,6 +319,10 @@ def _summary_text(ax: Axes, rows: list[dict], summary: dict) -> None:
     for key, label in (("wall_seconds", "job wall time"), ("train_seconds", "training time")):
         if isinstance(summary.get(key), (int, float)):
             lines.append(f"{label}: {summary[key]:.0f} s")
+    tools = summary.get("tools")
+    if isinstance(tools, dict) and isinstance(tools.get("tools/calls_per_sample"), (int, float)):
+        lines.append(f"tool calls per sample: {tools['tools/calls_per_sample']:.2f} "
+                     f"(samples with a call: {tools.get('tools/call_rate', 0.0):.1%})")
     ax.text(0.0, 1.0, "\n".join(lines), va="top", fontsize=10, family="monospace", transform=ax.transAxes)
 
 

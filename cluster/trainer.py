@@ -47,6 +47,7 @@ from protocols.training_batch import TrainingBatch
 from protocols.trajectory import Trajectory, TrajectoryGroup, WeightVersion
 from rewards.datasets import load_prompts
 from rewards.registry import resolve_verifier
+from rewards.tool_calls import tool_counts, tool_metrics
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class Trainer:
         self.job_start = time.perf_counter()
         # phase seconds and wall time of the run so far; a resumed run starts from the checkpoint's
         self.totals: Counter = Counter()
+        self.tool_totals: Counter = Counter()  # tools.* counts over the run (rewards/tool_calls.py tool_counts)
         self.wall_before = 0.0
         self.cfg = cfg
         # Fail on settings this version cannot run before any actor starts.
@@ -198,11 +200,14 @@ class Trainer:
         correct = [bool(t.result and t.result.correct) for t in trajectories]
         num_tokens = int(batch.response_lengths.sum())
         errors = Counter(t.result.error for t in trajectories if t.result and t.result.error)
+        tools = tool_counts(trajectories, cfg.tools) if cfg.tools.enabled else None
+        self.tool_totals.update(tools or {})
         return {
             **{f"reward/error_{kind}": count for kind, count in errors.items()},
             **finalize_metrics(summed),
             **critic_metrics,
             **staleness_metrics(trajectories, self.version - 1),
+            **(tool_metrics(tools) if tools else {}),
             "reward/mean": float(batch.rewards.mean()),
             "reward/shaped_mean": float(rewards.mean()),
             "reward/accuracy": sum(correct) / len(correct),
@@ -288,6 +293,8 @@ class Trainer:
             # every reward worker's counters over the whole run (the metrics.jsonl lines are per logged step)
             "reward_workers": self.reward_counters.totals(),
             **({"reference_workers": self.reference_counters.totals()} if self.reference_workers else {}),
+            # tools/* over every trained sample of the run
+            **({"tools": tool_metrics(self.tool_totals)} if cfg.tools.enabled else {}),
             "final_model": folder.final_model_dir,
             "trained_group_ids": list(self.trained_group_ids),
             **({"resume": self.resume_report} if self.resume_report else {}),
@@ -312,7 +319,7 @@ class Trainer:
             state = {"policy_version": self.version, "metrics_step": self.version, "critic_version": critic_version,
                      "trained_group_ids": self.trained_group_ids, "accuracy_before": self.accuracy_before,
                      "eval_before": self.eval_before, "optimizer_digests": digests,
-                     "phase_totals": dict(self.totals),
+                     "phase_totals": dict(self.totals), "tool_totals": dict(self.tool_totals),
                      "wall_seconds": self.wall_before + time.perf_counter() - self.job_start,
                      "controller": ray.get(self.controller.state_dict.remote())}
             (folder / "state.json").write_text(json.dumps(state))
@@ -341,6 +348,7 @@ class Trainer:
         # the summary's timings cover the whole run up to this checkpoint plus what follows; the time between
         # the checkpoint and the crash is not counted
         self.totals = Counter(state.get("phase_totals", {}))
+        self.tool_totals = Counter(state.get("tool_totals", {}))
         self.wall_before = float(state.get("wall_seconds", 0.0))
         published = self.learner.publish_weights(self.version)
         weights = WeightVersion(version=self.version, num_tensors=published["num_tensors"],

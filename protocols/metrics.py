@@ -25,6 +25,10 @@ SECTIONS: dict[str, str] = {
                          "second of scoring)",
     "response/": "length_mean (tokens), truncated_frac",
     "staleness/": "mean, max, hist_<lag> (share of samples lag versions old), mixed_version_frac",
+    "tools/": "tool-using rollouts (only with tools enabled), over the trained batch: turns_per_sample, "
+              "calls_per_sample, call_rate (share of samples with a call), errors_<kind> (calls: unknown_tool, "
+              "exception, timeout), seconds_mean (per call), token_share (tool tokens / response tokens), "
+              "truncated_outputs, malformed_calls, max_turns_share",
     "queue/": "the controller's replay queue: depth, admitted, received, trained, in_flight, leased, "
               "dropped_<reason>",
     "control/": "controller calls by method (calls_<method>)",

@@ -2,15 +2,19 @@
 
 The agent loop (actors/agent_loop.py) calls `parse_call` on the text of each model turn that ended, runs the call
 with rewards/tools.py ToolBox, and appends what `render_output` returns as a tool segment. The engine stops a turn
-at `stop_strings(cfg)`. Pure functions: no tool runs here.
+at `stop_strings(cfg)`. The driver's `tools/*` metrics are counted here too (`tool_counts`, `tool_metrics`).
+Pure functions: no tool runs here.
 """
 
 import json
 import re
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from protocols.tools import ToolsConfig
+from protocols.trajectory import Trajectory
 
 _NAME = re.compile(r"[A-Za-z_][\w.-]*")
 """A tool name is a word: the same rule as tools.custom's names (protocols/tools.py)."""
@@ -127,3 +131,53 @@ def render_output(output: str, cfg: ToolsConfig, tokenizer: Tokenizer) -> Render
         output = tokenizer.decode(ids[: cfg.max_output_tokens], skip_special_tokens=False)
     text = cfg.output_template.replace("{output}", output)
     return RenderedOutput(tokenizer.encode(text, add_special_tokens=False), text, truncated, output)
+
+
+# ----- metrics ----------------------------------------------------------------------------------------------
+TOOL_ERRORS = ("unknown_tool", "exception", "timeout")
+"""Error kinds of a call, always reported (0 when none happened)."""
+
+
+def tool_counts(trajectories: Iterable[Trajectory], cfg: ToolsConfig) -> Counter:
+    """Raw counts over samples (they add across steps and runs): samples, turns, calls, calls_error_<kind>,
+    call_seconds, tool_tokens, response_tokens, truncated_outputs, malformed_calls, max_turns.
+
+    A malformed call leaves no tool segment: the sample ends at it, as a plain response whose last turn still
+    ends at `call_end` (finish reason `stop`), so it is read back from the final text here."""
+    c: Counter = Counter({"samples": 0})
+    for t in trajectories:
+        calls = t.tool_calls or []
+        c["samples"] += 1
+        c["turns"] += t.num_turns
+        c["calls"] += len(calls)
+        c["samples_with_calls"] += bool(calls)
+        c["call_seconds"] += sum(call.seconds for call in calls)
+        c["tool_tokens"] += sum(call.output_tokens for call in calls)
+        c["response_tokens"] += len(t.response_token_ids)
+        c["truncated_outputs"] += sum(call.output_truncated for call in calls)
+        c["max_turns"] += t.finish_reason == "max_turns"
+        c["malformed_calls"] += t.finish_reason == "stop" and isinstance(parse_call(t.final_text, cfg), MalformedCall)
+        for call in calls:
+            if call.error:
+                c[f"calls_error_{call.error}"] += 1
+    return c
+
+
+def tool_metrics(counts: Mapping[str, float]) -> dict[str, float]:
+    """`tools/*` from `tool_counts` (one step's, or summed over a run): turns_per_sample, calls_per_sample,
+    call_rate (share of samples with a call), errors_<kind> (calls), seconds_mean (per call), token_share (tool
+    tokens / response tokens), truncated_outputs, malformed_calls, max_turns_share."""
+    c = Counter(counts)
+    n, calls = c["samples"], c["calls"]
+    kinds = sorted(set(TOOL_ERRORS) | {k[len("calls_error_"):] for k in c if k.startswith("calls_error_")})
+    return {
+        "tools/turns_per_sample": c["turns"] / n if n else 0.0,
+        "tools/calls_per_sample": calls / n if n else 0.0,
+        "tools/call_rate": c["samples_with_calls"] / n if n else 0.0,
+        **{f"tools/errors_{kind}": float(c[f"calls_error_{kind}"]) for kind in kinds},
+        "tools/seconds_mean": c["call_seconds"] / calls if calls else 0.0,
+        "tools/token_share": c["tool_tokens"] / c["response_tokens"] if c["response_tokens"] else 0.0,
+        "tools/truncated_outputs": float(c["truncated_outputs"]),
+        "tools/malformed_calls": float(c["malformed_calls"]),
+        "tools/max_turns_share": c["max_turns"] / n if n else 0.0,
+    }

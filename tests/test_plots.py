@@ -89,3 +89,23 @@ def test_cli_plots_a_real_demo_run_folder(tmp_path, capsys):
     for path in map(Path, printed):
         width, height = png_size(path)
         assert width > 300 and height > 200
+
+
+def test_a_run_with_tools_gets_the_tool_figures(tmp_path):
+    run = write_run(tmp_path / "run", steps=10)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        row.update({"tools/calls_per_sample": 0.5, "tools/turns_per_sample": 1.5, "tools/call_rate": 0.4,
+                    "tools/token_share": 0.2, "tools/max_turns_share": 0.0, "tools/errors_timeout": 1.0,
+                    "tools/errors_exception": 0.0, "tools/truncated_outputs": 2.0, "tools/malformed_calls": 1.0,
+                    "tools/seconds_mean": 0.3})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**summary, "tools": {"tools/calls_per_sample": 0.5,
+                                                                       "tools/call_rate": 0.4}}))
+    paths = plot_run(run)
+    assert [p.name for p in paths] == ["overview.png", *(f"{n}.png" for n in FIGURES), "tools.png", "tool_errors.png"]
+    # the overview grows a third row of panels
+    assert png_size(paths[0])[1] > png_size(plot_run(write_run(tmp_path / "plain", steps=10))[0])[1]
+    for path in paths:
+        assert path.stat().st_size > 5000

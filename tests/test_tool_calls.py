@@ -1,12 +1,14 @@
-"""Reading a model turn's tool call (tagged, `NAME:ARGUMENTS` or JSON; malformed ones named) and rendering a tool's
+"""Reading a model turn's tool call (tagged, `NAME:ARGUMENTS` or JSON; malformed ones named), rendering a tool's
 output as the segment the model reads next (cut at tools.max_output_tokens, tokenized once) with the demo's real
-character tokenizer."""
+character tokenizer, and the `tools/*` metrics of a batch."""
 
 import pytest
 
 from cluster.demo_model import build_tokenizer
 from protocols.tools import ToolsConfig
-from rewards.tool_calls import MalformedCall, ParsedCall, parse_call, render_output, stop_strings
+from protocols.trajectory import Prompt, ToolCall, Trajectory
+from rewards.tool_calls import (MalformedCall, ParsedCall, parse_call, render_output, stop_strings, tool_counts,
+                                tool_metrics)
 
 CFG = ToolsConfig(builtin=["calculator", "python"])
 
@@ -148,3 +150,61 @@ def test_default_template_renders_the_tags(char_tokenizer):
     rendered = render_output("42", CFG, char_tokenizer)
     assert rendered.text == "<tool_response>42</tool_response>"
     assert len(rendered.token_ids) == len(char_tokenizer.encode(rendered.text, add_special_tokens=False))
+
+
+# ----- metrics --------------------------------------------------------------------------------------------------
+def _traj(index: int, text: str, n_tokens: int, calls: list[ToolCall] | None, finish: str = "stop") -> Trajectory:
+    versions = [0] * n_tokens
+    for call in calls or []:
+        versions[call.output_start: call.output_start + call.output_tokens] = [-1] * call.output_tokens
+    return Trajectory(group_id="g", sample_index=index, prompt=Prompt(prompt_id="p", prompt_token_ids=[0]),
+                      response_token_ids=[5] * n_tokens, behavior_logprobs=[0.0] * n_tokens, token_versions=versions,
+                      finish_reason=finish, response_text=text, tool_calls=calls)
+
+
+def _call(start: int, tokens: int, text_end: int, error: str = "", seconds: float = 0.0,
+          truncated: bool = False) -> ToolCall:
+    return ToolCall(name="calculator", arguments="1+1", output="2", error=error, seconds=seconds,
+                    output_truncated=truncated, output_start=start, output_tokens=tokens, text_end=text_end)
+
+
+def test_tool_metrics_of_a_batch():
+    call = "<tool_call>calculator:1+1</tool_call>"
+    out = "<tool_response>2</tool_response>"
+    batch = [
+        # two calls (0.5 s and 1.5 s, the second truncated and an exception), 20 tokens of which 4 + 6 are tool's
+        _traj(0, call + out + call + out + "2", 20, [_call(3, 4, 70, seconds=0.5),
+                                                     _call(10, 6, 140, "exception", 1.5, truncated=True)]),
+        # one call that timed out (1 s), then stopped at max_turns while calling again; 10 tokens, 2 tool's
+        _traj(1, call + out + call, 10, [_call(3, 2, 70, "timeout", 1.0)], finish="max_turns"),
+        # no call: a plain answer of 5 tokens
+        _traj(2, "2", 5, None),
+        # a malformed call (no name): the sample ended there as a plain answer; 5 tokens
+        _traj(3, "<tool_call>1+1</tool_call>", 5, None),
+    ]
+    metrics = tool_metrics(tool_counts(batch, CFG))
+    assert metrics == {
+        "tools/turns_per_sample": (3 + 2 + 1 + 1) / 4,
+        "tools/calls_per_sample": 3 / 4,
+        "tools/call_rate": 2 / 4,
+        "tools/errors_exception": 1.0,
+        "tools/errors_timeout": 1.0,
+        "tools/errors_unknown_tool": 0.0,
+        "tools/seconds_mean": (0.5 + 1.5 + 1.0) / 3,
+        "tools/token_share": (4 + 6 + 2) / (20 + 10 + 5 + 5),
+        "tools/truncated_outputs": 1.0,
+        "tools/malformed_calls": 1.0,
+        "tools/max_turns_share": 1 / 4,
+    }
+
+
+def test_tool_counts_add_over_steps():
+    plain = [_traj(0, "2", 5, None)]
+    one_call = [_traj(0, "<tool_call>calculator:1+1</tool_call><tool_response>2</tool_response>2", 10,
+                      [_call(3, 4, 70, seconds=2.0)])]
+    total = tool_counts(plain, CFG) + tool_counts(one_call, CFG)
+    metrics = tool_metrics(total)
+    # 2 samples, 1 call: 0.5 calls per sample, turns (1 + 2) / 2, tool tokens 4 of 15
+    assert (metrics["tools/calls_per_sample"], metrics["tools/turns_per_sample"]) == (0.5, 1.5)
+    assert metrics["tools/token_share"] == 4 / 15
+    assert tool_metrics(tool_counts([], CFG))["tools/calls_per_sample"] == 0.0
