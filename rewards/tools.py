@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from protocols.reward import RewardConfig
 from protocols.tools import ToolsConfig
 from protocols.trajectory import ToolError
+from rewards import sandbox_cgroup
 from rewards.code_sandbox import run_in_sandbox
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,10 @@ class ToolBox:
             self._tools[name] = self._python if name == "python" else self._in_thread(calculate)
         for name, target in tools.custom.items():
             self._tools[name] = self._in_thread(_load(name, target))
+        if "python" in self._tools:
+            # Probe for a writable memory cgroup now, once: pool threads that raced to the first probe could
+            # leave the sandbox with the per-process memory limit only.
+            sandbox_cgroup.scope()
 
     @property
     def names(self) -> list[str]:

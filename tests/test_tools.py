@@ -178,6 +178,26 @@ def test_python_cannot_become_root_in_a_user_namespace(box):
     assert box.run("python", code).output == "-1 1\n"
 
 
+def test_python_ten_gigabytes_fail_under_the_memory_limit(box):
+    result = box.run("python", "x = bytearray(10 * 2**30)\nprint('allocated')")
+    assert result.error == "exception"
+    assert result.output.endswith("MemoryError")
+
+
+def test_python_calls_at_once_from_pool_threads_run_as_different_uids(box):
+    # the agent loop runs calls in a thread pool: each call is its own sandbox with a uid of its own
+    results = []
+    code = "import os, time\nprint(os.getuid())\ntime.sleep(0.5)"
+    threads = [threading.Thread(target=lambda: results.append(box.run("python", code))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r.error for r in results] == ["", "", ""]
+    uids = {int(r.output) for r in results}
+    assert len(uids) == 3 and min(uids) >= REWARD.code.sandbox_uid_base
+
+
 def test_python_fork_bomb_is_contained(box):
     start = time.monotonic()
     result = box.run("python", "import os\nwhile True:\n    os.fork()")
