@@ -122,15 +122,32 @@ def _preview(value: Any, chars: int = 40) -> str:
 
 def render_output(output: str, cfg: ToolsConfig, tokenizer: Tokenizer) -> RenderedOutput:
     """The tool segment for `output`: the output cut to `cfg.max_output_tokens` tokens (tokenized alone, cut,
-    decoded), put into `cfg.output_template` at `{output}` (other braces in the template are literal), and the
+    decoded; see `_cut` for long outputs), put into `cfg.output_template` at `{output}` (other braces in the template are literal), and the
     whole rendered text tokenized ONCE without special tokens. Those ids are appended as they are: they are
     never merged with the model's tokens around them."""
-    ids = tokenizer.encode(output, add_special_tokens=False)
-    truncated = len(ids) > cfg.max_output_tokens
-    if truncated:
-        output = tokenizer.decode(ids[: cfg.max_output_tokens], skip_special_tokens=False)
+    output, truncated = _cut(output, cfg.max_output_tokens, tokenizer)
     text = cfg.output_template.replace("{output}", output)
     return RenderedOutput(tokenizer.encode(text, add_special_tokens=False), text, truncated, output)
+
+
+HEAD_CHARS_PER_TOKEN = 16
+BOUNDARY_TOKENS = 16
+
+
+def _cut(output: str, cap: int, tokenizer: Tokenizer) -> tuple[str, bool]:
+    """(the output's first `cap` tokens as text, whether it had more). A long output (a program may print a MiB)
+    is tokenized only as far as its first 16 characters per kept token: when that head alone has more than
+    `cap` + 16 tokens, the tokens that could differ from the whole output's (those at the head's cut) lie past the
+    kept ones. Otherwise (very long tokens) the whole output is tokenized."""
+    head = output[: max(1024, cap * HEAD_CHARS_PER_TOKEN)]
+    if len(head) < len(output):
+        ids = tokenizer.encode(head, add_special_tokens=False)
+        if len(ids) > cap + BOUNDARY_TOKENS:
+            return tokenizer.decode(ids[:cap], skip_special_tokens=False), True
+    ids = tokenizer.encode(output, add_special_tokens=False)
+    if len(ids) <= cap:
+        return output, False
+    return tokenizer.decode(ids[:cap], skip_special_tokens=False), True
 
 
 # ----- metrics ----------------------------------------------------------------------------------------------

@@ -135,6 +135,17 @@ def test_output_over_the_cap_is_cut_and_flagged(char_tokenizer):
     assert rendered.token_ids == _ids(char_tokenizer, "=1234+")
 
 
+def test_a_long_output_is_cut_from_its_head_alone(char_tokenizer):
+    # 95,000 lines of "1234567890" (a program printing about a MiB): the first 64 tokens are the first 64 digits
+    # (newlines are dropped by this tokenizer), read from the first 1,024 characters only
+    cfg = ToolsConfig(builtin=["python"], output_template="{output}", max_output_tokens=64)
+    tok = _CountingTokenizer(char_tokenizer)
+    rendered = render_output("1234567890\n" * 95_000, cfg, tok)
+    assert rendered.truncated
+    assert rendered.output == "1234567890" * 6 + "1234"
+    assert [len(text) for text in tok.encoded] == [1024, 64]
+
+
 def test_output_exactly_at_the_cap_is_not_truncated(char_tokenizer):
     cfg = ToolsConfig(builtin=["calculator"], output_template="{output}", max_output_tokens=3)
     rendered = render_output("123", cfg, char_tokenizer)
