@@ -112,7 +112,8 @@ def test_python_timeout(tmp_path):
     # what it printed before the limit comes first (on a loaded machine the sandbox may not have started yet)
     assert result.output in ("started\n" + stopped, stopped)
     assert time.monotonic() - start < 5
-    assert box.run("python", "print(1)").output == "1\n"  # and the next call runs normally
+    # and the next call runs normally (with the usual limit: a sandbox may take a second to start on a loaded host)
+    assert ToolBox(TOOLS, REWARD).run("python", "print(1)").output == "1\n"
 
 
 def test_python_cannot_see_the_callers_environment(box, monkeypatch):
@@ -205,6 +206,47 @@ def test_python_fork_bomb_is_contained(box):
     assert time.monotonic() - start < TOOLS.timeout_s + 4
     time.sleep(0.2)
     assert _sandbox_processes_on_host() == 0
+
+
+def test_python_leaves_no_process_behind_whatever_it_does_to_itself():
+    # It clears its parent-death signal, leaves its session and forks, then both sleep: the tool's wall limit ends
+    # them all (the sandbox's pid namespace dies with it).
+    box = ToolBox(TOOLS.model_copy(update={"timeout_s": 1.0}), REWARD)
+    name = "rl" + secrets.token_hex(6)
+    code = f"""
+import ctypes, os, time
+libc = ctypes.CDLL(None)
+def hide():
+    libc.prctl(1, 0, 0, 0, 0)
+    libc.prctl(15, b"{name}", 0, 0, 0)
+    try:
+        os.setsid()
+    except OSError:
+        pass
+hide()
+if os.fork() == 0:
+    hide()
+time.sleep(60)
+"""
+    try:
+        assert box.run("python", code).error == "timeout"
+        time.sleep(0.3)
+        assert _processes_named(name) == []
+    finally:
+        for pid in _processes_named(name):  # only if the test failed: leave the machine clean
+            os.kill(pid, 9)
+
+
+def _processes_named(name: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() == name:
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
 
 
 def _sandbox_processes_on_host() -> int:
