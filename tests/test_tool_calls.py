@@ -219,3 +219,9 @@ def test_tool_counts_add_over_steps():
     assert (metrics["tools/calls_per_sample"], metrics["tools/turns_per_sample"]) == (0.5, 1.5)
     assert metrics["tools/token_share"] == 4 / 15
     assert tool_metrics(tool_counts([], CFG))["tools/calls_per_sample"] == 0.0
+
+
+def test_tool_metric_names_are_in_a_documented_section():
+    from protocols.metrics import unknown_names
+
+    assert unknown_names(tool_metrics(tool_counts([_traj(0, "2", 5, None)], CFG))) == []
