@@ -10,7 +10,8 @@ log = logging.getLogger(__name__)
 
 
 def resolve_model_path(cfg: RunConfig) -> str:
-    """The policy's HF folder: `model.path`, or the cached warm-started demo model."""
+    """The policy's HF folder: `model.path`, or the cached warm-started demo model (the long-CoT one for
+    `data.format: longcot`)."""
     if cfg.model.path:
         if not (Path(cfg.model.path) / "config.json").is_file():
             raise ValueError(
@@ -18,6 +19,10 @@ def resolve_model_path(cfg: RunConfig) -> str:
                 "local folder with config.json, weights and tokenizer, or leave model.path empty for the demo model"
             )
         return cfg.model.path
+    if cfg.data.format == "longcot":  # the long chain-of-thought demo's own model and cache key
+        from cluster.longcot_model import prepare_longcot_model
+
+        return prepare_longcot_model(demo=cfg.model.demo, data=cfg.data, log=log.info)
     from cluster.demo_model import prepare_demo_model
 
     return prepare_demo_model(demo=cfg.model.demo, data=cfg.data)

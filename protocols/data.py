@@ -8,8 +8,9 @@ from pydantic import BaseModel, ConfigDict, Field
 class DataConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    format: Literal["arithmetic", "gsm8k", "math", "jsonl", "parquet"] = "arithmetic"
-    """`arithmetic` is the built-in synthetic demo task; `gsm8k` and `math` read those datasets' own fields;
+    format: Literal["arithmetic", "longcot", "gsm8k", "math", "jsonl", "parquet"] = "arithmetic"
+    """`arithmetic` is the built-in synthetic demo task; `longcot` the long chain-of-thought demo task
+    (rewards/longcot_data.py: `a*b=` worked out step by step); `gsm8k` and `math` read those datasets' own fields;
     `jsonl` and `parquet` read any file through the field mapping below."""
 
     train_path: str = ""
@@ -49,3 +50,14 @@ class DataConfig(BaseModel):
 
     arithmetic_num_train: int = Field(5000, ge=1)
     """Demo task: distinct training problems generated (held-out problems never overlap them)."""
+
+    longcot_num_train: int = Field(20_000, ge=1)
+    """Long-CoT demo task: training problems generated (they may repeat; held-out ones never overlap them)."""
+
+    longcot_long_fraction: float = Field(0.08, ge=0.0, le=1.0)
+    """Long-CoT demo task: share of long problems (b log-uniform in [15, longcot_max_b]; the rest have b in
+    [2, 14]). 0.08 gives a median response of 105 tokens and a 99th percentile of 886 (8.4x); 0 removes the tail."""
+
+    longcot_max_b: int = Field(72, ge=2, le=500)
+    """Long-CoT demo task: largest multiplier; the solution of `a*b` takes about 15 tokens per unit of b, so 72
+    gives the longest response of 1,108 tokens. rollout.max_response_tokens and the model's context must cover it."""

@@ -13,6 +13,8 @@ from protocols.data import DataConfig
 from protocols.trajectory import Prompt
 from rewards.answer_formats import gsm8k_gold_answer, last_boxed
 from rewards.arithmetic_data import arithmetic_problems, problem_text
+from rewards.longcot_data import longcot_problems
+from rewards.longcot_data import problem_text as longcot_text
 
 Split = Literal["train", "test"]
 
@@ -26,6 +28,8 @@ def load_prompts(cfg: DataConfig, split: Split, tokenizer: Any) -> tuple[list[Pr
     `data/skipped_too_long`."""
     if cfg.format == "arithmetic":
         return load_arithmetic_prompts(cfg, split, tokenizer)
+    if cfg.format == "longcot":
+        return load_longcot_prompts(cfg, split, tokenizer)
     setting = "data.train_path" if split == "train" else "data.test_path"
     path = cfg.train_path if split == "train" else cfg.test_path
     if not path:
@@ -85,6 +89,26 @@ def load_arithmetic_prompts(
                 answer=str(a + b),
             )
         )
+    return prompts, {"data/loaded": len(prompts), "data/skipped_too_long": skipped}
+
+
+def load_longcot_prompts(
+    cfg: DataConfig, split: Split, tokenizer: Any, seed: int = 0
+) -> tuple[list[Prompt], dict[str, int]]:
+    """The long-CoT demo task's prompts `a*b=` (rewards/longcot_data.py; `longcot_num_train` for train,
+    `num_eval_prompts` distinct ones for test), gold answer `str(a*b)`, `a` and `b` in the metadata."""
+    count = cfg.longcot_num_train if split == "train" else cfg.num_eval_prompts
+    pairs = longcot_problems(split, count, long_fraction=cfg.longcot_long_fraction, max_b=cfg.longcot_max_b, seed=seed)
+    prompts: list[Prompt] = []
+    skipped = 0
+    for i, (a, b) in enumerate(pairs):
+        text = cfg.prompt_template.replace("{prompt}", longcot_text(a, b))
+        ids = encode_prompt(text, cfg, tokenizer)
+        if len(ids) > cfg.max_prompt_tokens:
+            skipped += 1
+            continue
+        prompts.append(Prompt(prompt_id=f"longcot/{split}/{i}", prompt_token_ids=ids, prompt_text=text,
+                              answer=str(a * b), metadata={"a": a, "b": b}))
     return prompts, {"data/loaded": len(prompts), "data/skipped_too_long": skipped}
 
 

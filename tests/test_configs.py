@@ -8,6 +8,8 @@ from cluster.placement import PlacementError, check_plan, parse_node_spec, plan_
 from protocols.config import load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "deploy" / "configs").glob("*.yaml"))
+GPU_CONFIGS = [p for p in CONFIGS if "# plan-for:" in p.read_text()]
+"""The GPU configs; the others (the CPU demos) are checked below."""
 
 
 def planned_nodes(path: Path):
@@ -17,6 +19,11 @@ def planned_nodes(path: Path):
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_config_validates(path):
+    assert load_config(path).output_dir
+
+
+@pytest.mark.parametrize("path", GPU_CONFIGS, ids=lambda p: p.name)
 def test_shipped_gpu_config_fills_the_cluster_it_describes(path):
     cfg = load_config(path)
     nodes = planned_nodes(path)
@@ -28,7 +35,7 @@ def test_shipped_gpu_config_fills_the_cluster_it_describes(path):
     assert len(set(where["learner"])) == 1
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", GPU_CONFIGS, ids=lambda p: p.name)
 def test_shipped_config_is_refused_on_half_the_gpus(path):
     cfg = load_config(path)
     half = [type(n)(n.node_id, {**n.resources, "GPU": n.resources["GPU"] / 2}) for n in planned_nodes(path)]
@@ -41,3 +48,21 @@ def test_two_node_7b_config_pins_learner_and_rollout_to_their_nodes():
     where = check_plan(plan_placement(load_config(path)), planned_nodes(path))
     # node0 carries learner_node, node1 rollout_node (the plan-for lines, in order)
     assert set(where["learner"]) == {"node0"} and set(where["rollout"]) == {"node1"}
+
+
+def test_longcot_demo_config_sets_staleness_by_the_long_tail_rule():
+    from rewards.longcot_data import longcot_problems, solution_text
+
+    cfg = load_config(next(p for p in CONFIGS if p.name == "demo_longcot.yaml"))
+    assert cfg.data.format == "longcot" and cfg.reward.verifier == "longcot"
+    assert cfg.learner.packing and cfg.learner.max_tokens_per_micro_batch > 0
+    pairs = longcot_problems("train", cfg.data.longcot_num_train, long_fraction=cfg.data.longcot_long_fraction,
+                             max_b=cfg.data.longcot_max_b)
+    lengths = [len(solution_text(a, b)) + 1 for a, b in pairs]
+    # every written-out solution fits the response budget, and prompt + response the model's context
+    assert max(lengths) <= cfg.rollout.max_response_tokens
+    assert cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens <= cfg.model.demo.max_position_embeddings
+    # README: k = (longest / mean length) x (engine slots / samples per batch) + 1
+    slots = min(cfg.rollout.max_num_seqs, cfg.rollout.prompts_in_flight * cfg.rollout.samples_per_prompt)
+    rule = max(lengths) / (sum(lengths) / len(lengths)) * slots / cfg.samples_per_step + 1
+    assert cfg.train.max_staleness == int(rule)
