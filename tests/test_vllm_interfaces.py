@@ -26,3 +26,20 @@ def test_unknown_weight_transport_lists_the_allowed_ones():
     assert load_config(None).weight_sync.type == "object_store"
     with pytest.raises(ConfigError, match=r"`weight_sync.object_store.timeout_s`; allowed keys here: bucket_mb, .*type"):
         load_config(None, ["weight_sync.timeout_s=5"])  # only the collective backend has a timeout
+
+
+def test_installed_vllm_has_the_native_weight_transfer_api():
+    # Not used yet (docs/weight_sync.md, "vLLM's weight-transfer engine"): the GPU path `collective` could move to.
+    # This names what that path would call, so an upgrade that moves it is seen here first.
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+    from vllm.v1.worker.gpu_worker import Worker
+
+    for name in ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update"):
+        assert callable(getattr(LLM, name, None)), f"vllm.LLM.{name} is gone"
+        assert callable(getattr(Worker, name, None)), f"vllm Worker.{name} is gone"
+    for backend in ("nccl", "sparse_nccl"):
+        assert backend in WeightTransferEngineFactory._registry, f"no {backend} engine-side weight transfer"
+        assert backend in WeightTransferTrainerFactory._registry, f"no {backend} trainer-side weight transfer"
+    assert WeightTransferConfig(backend="sparse_nccl").backend == "sparse_nccl"

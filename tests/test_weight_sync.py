@@ -1,5 +1,6 @@
 """Weight sync is exact for every transport: after a learner update and a push, vLLM scores fixed sequences as
-the learner does (tied and untied embeddings; and a tensor-parallel engine, whose every rank must load)."""
+the learner does (tied and untied embeddings; and a tensor-parallel engine, whose every rank must load). The
+weight-sync check (weight_sync.verify_every) passes such a load and catches one with a tensor left out."""
 
 import pytest
 import ray
@@ -12,8 +13,9 @@ from tests.test_learner_sharding import make_batch
 pytestmark = pytest.mark.slow
 
 
-def _sync_gap(ray_cluster, path: str, overrides: list[str]) -> tuple[float, float, dict]:
-    """(max |vLLM - learner| after the push, max movement of vLLM's log-probs, the publish result)."""
+def _sync_gap(ray_cluster, path: str, overrides: list[str], then=None) -> tuple[float, float, dict]:
+    """(max |vLLM - learner| after the push, max movement of vLLM's log-probs, the publish result). `then(path,
+    cfg, learner, worker, batch)` runs after, on the same engine and learner (an engine start costs about 30 s)."""
     from actors.rollout_worker import RolloutWorker
     from cluster.learner_group import LearnerGroup
 
@@ -32,6 +34,8 @@ def _sync_gap(ray_cluster, path: str, overrides: list[str]) -> tuple[float, floa
         assert ray.get(worker.get_version.remote()) == 1
         after_vllm = ray.get(worker.sequence_logprobs.remote(batch.prompt_ids, responses))
         after_learner = batch.per_sample_rows(learner.policy_logprobs(batch))
+        if then is not None:
+            then(path, cfg, learner, worker, batch)
     finally:
         learner.shutdown()
         ray.kill(worker)
@@ -41,16 +45,66 @@ def _sync_gap(ray_cluster, path: str, overrides: list[str]) -> tuple[float, floa
     return gap, moved, published
 
 
+SKIPPED = "model.layers.0.mlp.down_proj.weight"
+"""The tensor the corrupted load leaves out: one of 26, one step of AdamW at lr 1e-2 behind."""
+
+
+def _probe_check(found: dict, path: str, cfg, learner, worker, batch) -> None:
+    """Version 1 (loaded whole by _sync_gap) passes the check; version 2 loaded without SKIPPED fails it naming
+    the version and the worker; version 3 loaded whole passes again. Gaps go into `found`."""
+    from transformers import AutoTokenizer
+
+    from cluster.weight_check import WeightCheck, WeightSyncMismatch
+    from protocols.weight_probe import probe_gap
+
+    vocab = len(AutoTokenizer.from_pretrained(path))
+    check = WeightCheck(cfg, vocab, cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens)
+    probe_batch = check.learner_batch(cfg.learner.num_ranks // cfg.learner.sequence_parallel_size)
+
+    def learner_scores(version: int) -> None:
+        check.record_learner(version, probe_batch.per_sample_rows(learner.probe_logprobs(probe_batch)))
+
+    def train_and_load(version: int) -> list[dict]:
+        learner.train_step(batch, count_normalizer(batch.loss_mask, cfg.rollout.max_response_tokens))
+        ray.get(worker.load_weights.remote(version, learner.publish_weights(version)["refs"]))
+        learner_scores(version)
+        return ray.get(worker.weight_probes.remote())
+
+    learner_scores(1)
+    (gap,) = check.compare(0, ray.get(worker.weight_probes.remote()))
+    found["clean"] = gap.max_gap
+    ray.get(worker.inject_weight_fault.remote(SKIPPED))
+    results = train_and_load(2)
+    found["corrupted"] = probe_gap(results[-1]["logprobs"], check.learner_logprobs[2]).max_gap
+    with pytest.raises(WeightSyncMismatch) as err:
+        check.compare(0, results)
+    found["message"] = str(err.value)
+    ray.get(worker.inject_weight_fault.remote(None))
+    (gap,) = check.compare(0, train_and_load(3))
+    found["clean_after"] = gap.max_gap
+    found["checks"] = check.checks
+
+
 @pytest.mark.parametrize("transport", ["object_store", "collective"])
 @pytest.mark.parametrize("variant", ["tied", "untied"])
 def test_vllm_matches_learner_after_update_and_push(ray_cluster, tiny_models, variant, transport):
-    # bucket_mb=1: the tiny model (about 1.3 MB of fp32) travels in more than one bucket
+    # bucket_mb=1: the tiny model (about 1.3 MB of fp32) travels in more than one bucket. On the tied model the
+    # same engine then runs the weight-sync check on a whole load and on a load with one tensor left out.
+    found: dict = {}
+    then = (lambda *args: _probe_check(found, *args)) if variant == "tied" else None
     gap, moved, published = _sync_gap(ray_cluster, tiny_models[variant],
-                                      [f"weight_sync.type={transport}", "weight_sync.bucket_mb=1"])
+                                      [f"weight_sync.type={transport}", "weight_sync.bucket_mb=1"], then)
     assert (published["refs"] == []) == (transport == "collective")
     assert gap < 1e-4, f"{variant}/{transport}: vLLM and learner log-probs differ by {gap} after the push"
     # lr 1e-2 moves log-probs far more than the tolerance, so a push that did nothing cannot pass
     assert moved > 1e-2, f"{variant}/{transport}: the update moved vLLM's log-probs by only {moved}"
+    if found:
+        print(f"weight-sync check {transport}: gaps {found}")
+        tolerance = 1e-3  # the float32 default
+        assert found["clean"] < tolerance and found["clean_after"] < tolerance, found
+        assert found["corrupted"] > tolerance, found
+        assert "policy version 2" in found["message"] and "rollout worker 0" in found["message"]
+        assert found["checks"] == 3
 
 
 def test_tensor_parallel_engine_loads_pushed_weights_on_every_rank(ray_cluster, tiny_models):
