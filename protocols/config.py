@@ -249,11 +249,12 @@ class SyncCheck(BaseModel):
     verify_sequences: int = Field(4, ge=1, le=64)
     """Sequences in the probe."""
 
-    verify_prompt_tokens: int = Field(16, ge=1, le=4096)
+    verify_prompt_tokens: int = Field(4, ge=1, le=4096)
     """Prompt tokens per probe sequence (context only; not compared)."""
 
-    verify_response_tokens: int = Field(16, ge=1, le=4096)
-    """Compared tokens per probe sequence. Prompt + response must fit the engine's context (refused at start)."""
+    verify_response_tokens: int = Field(12, ge=1, le=4096)
+    """Compared tokens per probe sequence. Prompt + response + 1 must fit the engine's context (refused at
+    start); the defaults (17) fit the smallest contexts the tests use."""
 
     def check_tolerance(self, dtype: str) -> float:
         """`verify_tolerance`, or the default for the weights' dtype."""

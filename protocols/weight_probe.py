@@ -45,14 +45,14 @@ def build_weight_probe(vocab_size: int, sequences: int, prompt_tokens: int, resp
 
 
 def check_probe_fits(probe: WeightProbe, context_tokens: int) -> None:
-    """Refuse a probe the engine cannot score: its prompt + response must fit the engine's context
-    (data.max_prompt_tokens + rollout.max_response_tokens, after fitting them to the model)."""
-    if probe.longest > context_tokens:
+    """Refuse a probe the engine cannot score: its prompt + response, plus the one token a request must sample,
+    must fit the engine's context (data.max_prompt_tokens + rollout.max_response_tokens, fitted to the model)."""
+    if probe.longest + 1 > context_tokens:
         raise ValueError(
-            f"weight_sync.verify_prompt_tokens + weight_sync.verify_response_tokens = {probe.longest} tokens do not "
-            f"fit the rollout engine's context of {context_tokens} tokens (data.max_prompt_tokens + "
-            "rollout.max_response_tokens, fitted to the model): lower them so their sum is at most "
-            f"{context_tokens}, or set weight_sync.verify_every=0 to turn the check off")
+            f"weight_sync.verify_prompt_tokens + weight_sync.verify_response_tokens = {probe.longest} tokens (and "
+            f"the one token the engine samples) do not fit the rollout engine's context of {context_tokens} tokens "
+            "(data.max_prompt_tokens + rollout.max_response_tokens, fitted to the model): lower them so their sum "
+            f"is at most {context_tokens - 1}, or set weight_sync.verify_every=0 to turn the check off")
 
 
 @dataclass(frozen=True)

@@ -27,14 +27,16 @@ def test_probe_is_the_same_in_every_process_and_spread_over_the_vocabulary():
 
 def test_probe_longer_than_the_context_is_refused_naming_the_settings():
     probe = build_weight_probe(15, sequences=2, prompt_tokens=16, response_tokens=16)
-    check_probe_fits(probe, 32)
+    check_probe_fits(probe, 33)  # 32 tokens and the one the engine samples
     with pytest.raises(ValueError, match=r"verify_prompt_tokens \+ weight_sync.verify_response_tokens = 32 tokens "
-                                         r"do not fit the rollout engine's context of 31"):
-        check_probe_fits(probe, 31)
+                                         r"\(and the one token the engine samples\) do not fit the rollout engine's "
+                                         r"context of 32 tokens"):
+        check_probe_fits(probe, 32)
 
 
 def test_driver_refuses_a_probe_that_does_not_fit_the_engines_context():
-    # demo lengths: 16 prompt + 8 response tokens of context; a 30-token probe cannot be scored
+    # 16 prompt + 8 response tokens of context; a 30-token probe cannot be scored, the default 4 + 12 can
+    WeightCheck(load_config(None), vocab_size=15, context_tokens=24)
     cfg = load_config(None, ["data.max_prompt_tokens=16", "rollout.max_response_tokens=8",
                              "weight_sync.verify_prompt_tokens=20", "weight_sync.verify_response_tokens=10"])
     with pytest.raises(ValueError, match="do not fit the rollout engine's context of 24 tokens"):
