@@ -186,7 +186,7 @@ def balanced(cfg: SimulatorConfig, training_over_generation: float = 1.0) -> Sim
 @dataclass
 class SimulationResult:
     throughput: float
-    """Trained tokens per simulated second over the measured steps."""
+    """Trained response tokens (tool tokens included) per simulated second over the measured steps."""
     capacities: dict[str, float]
     learner_idle_frac: float
     generated_tokens_per_s: float

@@ -7,7 +7,8 @@ actors/decode_loop.py continues it). Tool tokens count in the response length bu
 
 import math
 import random
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -151,11 +152,24 @@ def mean_lengths(tools: ToolScenario, length_of, seed: int, max_response_tokens:
     return generated / samples, response / samples
 
 
+@dataclass
+class EngineTools:
+    """One simulated engine's samples in tool calls."""
+
+    in_call: int = 0
+    """Samples between a tool call and its return (running or waiting for the pool); they hold no slot."""
+    running: int = 0
+    """Calls running in the worker's tool pool."""
+    queue: deque = field(default_factory=deque)
+    """Samples whose call waits for a free place in the pool (tools.pool_size)."""
+    continuations_waiting: int = 0
+    """With continue_first: continuations at the head of the engine's waiting requests."""
+
+
 class ToolTurns:
     """The agent loop of the simulated engines (actors/decode_loop.py's `on_request_end` seam), mixed into
     `Simulation`, whose `cfg`, `now`, `_push`, `_poke` and `_finish` it uses. A multi-turn sequence carries its
-    `plan`, `turn`, `length` (this turn's sampled tokens), `versions` and `calls`; its engine counts the samples
-    in a tool call (`in_tool`), the calls running (`tools_running`) and those waiting for the pool."""
+    `plan`, `turn`, `length` (this turn's sampled tokens), `versions` and `calls`; its engine, its `EngineTools`."""
 
     def _plan_group(self, group) -> None:
         """Split each sample's drawn length into turns, with its own generator per sample, so single-turn draws
@@ -173,15 +187,15 @@ class ToolTurns:
         if seq.turn == len(seq.plan.tool_seconds):
             self._finish(e, seq)
             return
-        e.in_tool += 1
-        e.tool_queue.append(seq)
+        e.tools.in_call += 1
+        e.tools.queue.append(seq)
         self._start_tools(e)
 
     def _start_tools(self, e) -> None:
         limit = self.cfg.tools.pool_size or math.inf
-        while e.tool_queue and e.tools_running < limit:
-            seq = e.tool_queue.popleft()
-            e.tools_running += 1
+        while e.tools.queue and e.tools.running < limit:
+            seq = e.tools.queue.popleft()
+            e.tools.running += 1
             self._push(self.now + seq.plan.tool_seconds[seq.turn], "tool", e, seq)
 
     def _tool_done(self, e, seq, now: float) -> None:
@@ -189,8 +203,8 @@ class ToolTurns:
         engine's waiting requests (vLLM's FCFS); a response whose budget ended at the output is finished."""
         if e.exited:  # its group was aborted at stop
             return
-        e.tools_running -= 1
-        e.in_tool -= 1
+        e.tools.running -= 1
+        e.tools.in_call -= 1
         self._start_tools(e)
         plan, seconds = seq.plan, seq.plan.tool_seconds[seq.turn]
         self.tool_calls += 1
@@ -205,8 +219,8 @@ class ToolTurns:
         else:
             seq.length = plan.turns[seq.turn]
             if self.cfg.tools.continue_first:  # after the continuations already waiting, before new requests
-                e.waiting.insert(e.continuations_waiting, seq)
-                e.continuations_waiting += 1
+                e.waiting.insert(e.tools.continuations_waiting, seq)
+                e.tools.continuations_waiting += 1
             else:
                 e.waiting.append(seq)
         self._poke(e, now)  # the worker admits it, or hands over its scored group, after its current step

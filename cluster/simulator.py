@@ -40,7 +40,7 @@ from cluster.sim_scenario import (  # noqa: F401  (re-exported: the benchmarks a
     response_length,
     success_rates,
 )
-from cluster.sim_tools import ToolTurns
+from cluster.sim_tools import EngineTools, ToolTurns
 from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup, WeightVersion
 
 LEGACY_IDLE_SLEEP_S = 0.003
@@ -85,13 +85,7 @@ class _Engine:
     legacy_step_calls: tuple[int, int] = (1, 0)
     """legacy: (polls, acquires) the old loop made per decode step of the current segment."""
     idle_since: float | None = None
-    in_tool: int = 0
-    """Samples between a tool call and its return (running or waiting for the pool); they hold no slot."""
-    tools_running: int = 0
-    tool_queue: deque = field(default_factory=deque)
-    """Samples whose call waits for a free place in the tool pool (tools.pool_size)."""
-    continuations_waiting: int = 0
-    """With tools.continue_first: continuations at the head of `waiting`."""
+    tools: EngineTools = field(default_factory=EngineTools)
     peak_held: int = 0
     """Most sequences the engine was decoding plus samples in a tool call, at any safe point."""
 
@@ -207,11 +201,11 @@ class Simulation(ToolTurns):
             return
         while e.waiting and len(e.running) < self.cfg.max_num_seqs:
             seq = e.waiting.popleft()
-            e.continuations_waiting = max(0, e.continuations_waiting - 1)
+            e.tools.continuations_waiting = max(0, e.tools.continuations_waiting - 1)
             seq.start_step = e.steps
             self.order += 1
             heapq.heappush(e.running, (e.steps + seq.length, self.order, seq))
-        e.peak_held = max(e.peak_held, len(e.running) + e.in_tool)
+        e.peak_held = max(e.peak_held, len(e.running) + e.tools.in_call)
         e.legacy_step_calls = (1, int(p.want(len(e.active)) > 0))
         if e.running:  # run until the first sequence ends or an event interrupts at a step boundary
             dt = self.cfg.decode_fixed_seconds + self.cfg.decode_seconds_per_seq * len(e.running)
