@@ -181,14 +181,14 @@ class PreviousWeights:
             # equal to it bit for bit (checked: exactness never rests on the pointer)
             source = source if source != index and torch.equal(bits(self.tensors[order[source]]), cur_bits) else None
             if source is not None:
-                mask_k = int((cur_bits != prev_bits).sum())
+                mask_k = int(torch.count_nonzero(cur_bits != prev_bits))
                 changed += mask_k
                 prev.copy_(cur)
                 rows.append((ALIAS, mask_k, source))
                 kinds["alias"] += 1
                 continue
             mask = cur_bits != prev_bits
-            k = int(mask.sum())
+            k = int(torch.count_nonzero(mask))  # bool .sum() is 100x slower on CPU
             changed += k
             index_tensor = positions = None
             if 0 < k and section_bytes(INDICES, n, k, itemsize) < section_bytes(BITMASK, n, k, itemsize) * 2:
