@@ -282,3 +282,16 @@ def test_abort_with_tools_in_flight_forgets_the_waiting_samples():
     gate.set()  # the tool's thread finishes; nothing comes back
     assert loop.step(1) == [] and agent.ready() == []
     agent.close()
+
+
+def test_with_tools_the_worker_stops_a_turn_after_the_call_tag_and_keeps_it_in_the_output():
+    from actors.decode_loop import SampleInFlight
+    from actors.rollout_worker import RolloutWorker
+    from protocols.config import RunConfig
+
+    sample = SampleInFlight("g", 0, PROMPT, max_response_tokens=16)
+    with_tools = SimpleNamespace(cfg=RunConfig(tools={"builtin": ["calculator"]}))
+    params = RolloutWorker._sampling_params(with_tools, sample, 16)
+    assert params.stop == ["</tool_call>"] and params.include_stop_str_in_output
+    params = RolloutWorker._sampling_params(SimpleNamespace(cfg=RunConfig()), sample, 16)
+    assert not params.stop and not params.include_stop_str_in_output
