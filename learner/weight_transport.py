@@ -113,9 +113,10 @@ class WeightReceiver(ABC):
         raise RuntimeError(f"weight_sync.type={self.type} forms no weight group; nothing joins it")
 
     def load(self, version: int, refs: list, apply: Callable[[list[tuple[str, torch.Tensor]]], None]) -> int:
-        """Stage the announced `version` (with weight_sync.delta, the backend applies the deltas to the full copy
-        it holds, and the engine loads that copy whole: its own weights are in another layout), hand its checkpoint-format pairs to `apply` (the engine's in-place load),
-        release them. Returns the version applied: `version`, or a newer one that has already arrived."""
+        """Stage the announced `version`, hand its checkpoint-format pairs to `apply` (the engine's in-place load),
+        release them. Returns the version applied: `version`, or a newer one that has already arrived. With
+        weight_sync.delta the backend applies the deltas to the full copy it holds and the engine loads that copy
+        whole (the engine's own weights are fused and repacked: a delta cannot be applied to them in place)."""
         loaded, weights = self.stage(version, refs)
         try:
             apply(weights)

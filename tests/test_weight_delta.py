@@ -36,7 +36,8 @@ def _held(weights):
 
 
 def _same_bits(a, b) -> bool:
-    return all(na == nb and torch.equal(bits(ta.contiguous()), bits(tb.contiguous())) for (na, ta), (nb, tb) in zip(a, b))
+    return all(na == nb and torch.equal(bits(ta.contiguous()), bits(tb.contiguous()))
+               for (na, ta), (nb, tb) in zip(a, b))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -190,7 +191,8 @@ def test_object_store_chain_serves_current_behind_and_new_workers(monkeypatch):
     weights = _model(0, torch.bfloat16)
     first = sender.publish(iter(weights), 1)
     assert first["delta"]["base_version"] is None and len(first["refs"]) == 1  # the keyframe alone
-    assert _same_bits(_loaded(current, 1, first["refs"]), weights) and _same_bits(_loaded(behind, 1, first["refs"]), weights)
+    assert _same_bits(_loaded(current, 1, first["refs"]), weights)
+    assert _same_bits(_loaded(behind, 1, first["refs"]), weights)
     full_bytes = current.read_bytes
     for v in range(2, 5):
         weights = _step(weights, 0.02, seed=v)
@@ -252,7 +254,8 @@ def test_collective_deltas_over_gloo_equal_a_full_broadcast(dtype):
         for v in range(2, 6):
             weights = _step(weights, 0.05, seed=v)
             published = delta_sender.publish(iter(weights), v)
-            assert published["delta"]["base_version"] == v - 1 and published["num_bytes"] < delta_sender.layout.num_bytes
+            assert published["delta"]["base_version"] == v - 1
+            assert published["num_bytes"] < delta_sender.layout.num_bytes
             if v == 3:
                 continue  # the loops skip version 3: their threads still apply its delta
             for receiver in receivers:
