@@ -1,11 +1,10 @@
 """A killed rollout worker under weight_sync.type=collective: the broadcast group has a fixed membership, so the
 supervisor replaces the worker and every engine and learner rank 0 open a new group (cluster/supervisor.py). The
-run must finish with every group accounted for, and the replacement must receive later versions through the new
+run must finish with every group accounted for, and each replacement must receive later versions through its new
 group: at the end it holds the learner's newest weights, to the log-prob."""
 
 import json
 import os
-import threading
 import time
 
 import pytest
@@ -37,11 +36,13 @@ def kill_and_wait(worker, pid: int) -> None:
     time.sleep(1.0)
 
 
-@pytest.mark.parametrize("moment", ["before_a_publish", "after_a_publish"])
-def test_killed_rollout_worker_rejoins_the_collective_weight_group(ray_cluster, tmp_path, moment):
-    """before_a_publish: killed between the learner's 5th update and its broadcast, which then meets the dead engine
-    before any health check can (the supervisor replaces it and sends the version again). after_a_publish: killed
-    once version 5 is announced (the driver waits meanwhile), so the driver's next health check finds it first."""
+def test_killed_rollout_workers_rejoin_the_collective_weight_group(ray_cluster, tmp_path):
+    """One run, two kills at the two moments that take different paths (one run instead of one per moment: a
+    Trainer's start costs most of a test's time here). Worker 0 is killed between the learner's 5th update and its
+    broadcast, which then meets the dead engine before any health check can (the supervisor replaces it and sends
+    the version again). Worker 1 is killed once version 8 is announced (the driver waits meanwhile), so the
+    driver's next health check finds it first; its replacement opens the second new group, which the first
+    replacement joins as a survivor."""
     from cluster.trainer import Trainer
     from protocols.training_batch import TrainingBatch
     from tests.test_pipeline import demo_config
@@ -51,64 +52,60 @@ def test_killed_rollout_worker_rejoins_the_collective_weight_group(ray_cluster, 
                       "reward.num_workers=2", "rollout.prompts_in_flight=8", "data.num_eval_prompts=20",
                       "weight_sync.type=collective", "weight_sync.bucket_mb=1", "weight_sync.timeout_s=60")
     trainer = Trainer(cfg)
-    killed = threading.Event()
-    pid = ray.get(trainer.rollout_workers[0].__ray_call__.remote(lambda _: os.getpid()))
+    killed: list[str] = []
+    pids = ray.get([w.__ray_call__.remote(lambda _: os.getpid()) for w in trainer.rollout_workers])
     train_step, step = trainer.learner.train_step, trainer.step
 
     def train_then_kill(*args):
         metrics = train_step(*args)
-        if trainer.version == 4:  # the update whose weights go out as version 5
-            kill_and_wait(trainer.rollout_workers[0], pid)
-            killed.set()
+        if trainer.version == 4 and not killed:  # the update whose weights go out as version 5
+            kill_and_wait(trainer.rollout_workers[0], pids[0])
+            killed.append("before_a_publish")
         return metrics
 
     def step_then_kill(groups):
         metrics = step(groups)
-        if trainer.version == 5:
-            # version 5 is announced: the workers start loading it and generating with it
-            kill_and_wait(trainer.rollout_workers[0], pid)
-            killed.set()
+        if trainer.version == 8 and killed == ["before_a_publish"]:
+            # version 8 is announced: the workers start loading it and generating with it
+            kill_and_wait(trainer.rollout_workers[1], pids[1])
+            killed.append("after_a_publish")
         return metrics
 
-    if moment == "before_a_publish":
-        trainer.learner.train_step = train_then_kill
-    else:
-        trainer.step = step_then_kill
+    trainer.learner.train_step = train_then_kill
+    trainer.step = step_then_kill
     try:
         summary = trainer.run()
         trained = list(trainer.trained_group_ids)
         resent = trainer.supervisor.resent_publishes
-        # After the run every engine was brought to the last published version (the replacement included) through
-        # the rejoined group: its log-probs must be the learner's, as in test_weight_sync.
-        replacement = trainer.rollout_workers[0]
-        version = ray.get(replacement.get_version.remote())
+        # After the run every engine was brought to the last published version (both replacements) through the
+        # rejoined group: their log-probs must be the learner's, as in test_weight_sync.
         probe = {"prompt_ids": [[1, 3, 13, 4, 14], [1, 5, 13, 9, 14]], "response_ids": [[5, 7, 2], [3, 3, 8, 2]]}
-        engine = ray.get(replacement.sequence_logprobs.remote(probe["prompt_ids"], probe["response_ids"]))
+        versions = ray.get([w.get_version.remote() for w in trainer.rollout_workers])
+        engines = ray.get([w.sequence_logprobs.remote(probe["prompt_ids"], probe["response_ids"])
+                           for w in trainer.rollout_workers])
         batch = TrainingBatch.from_samples(probe["prompt_ids"], probe["response_ids"])
         learner = batch.per_sample_rows(trainer.learner.policy_logprobs(batch))
-        survivor = ray.get(trainer.rollout_workers[1].sequence_logprobs.remote(probe["prompt_ids"],
-                                                                                probe["response_ids"]))
     finally:
         trainer.shutdown()
-    assert killed.is_set(), "the run ended before the worker was killed"
+    assert killed == ["before_a_publish", "after_a_publish"], f"the run ended before both kills: {killed}"
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     # every admitted group trained, dropped with a reason or queued (the release of a dead worker's leases is
     # test_worker_failure's check: here its leases may end before the kill lands, demo groups take a fraction of a
     # second)
     check_finished_and_accounted(tmp_path, summary, trained, rows)
-    assert summary["replaced_workers"] == {"rollout": 1, "reward": 0, "reference": 0, "critic": 0}
-    # before_a_publish: the broadcast of version 5 failed and went out again on the new group
-    assert resent == (1 if moment == "before_a_publish" else 0)
-    # the replacement's first load was the version announced when it joined (4 before the failed broadcast of 5,
-    # 5 after it), received through the new group
-    joined = 4 if moment == "before_a_publish" else 5
-    assert any(r["versions_seen"][:2] == [0, joined] for r in summary["rollout"]), summary["rollout"]
-    assert version == summary["steps"] == 12
+    assert summary["replaced_workers"] == {"rollout": 2, "reward": 0, "reference": 0, "critic": 0}
+    # before_a_publish: the broadcast of version 5 failed and went out again on the new group; after_a_publish:
+    # the health check found the dead worker before any broadcast did, so nothing was sent twice
+    assert resent == 1
+    # each replacement's first load was the version announced when it joined (4 before the failed broadcast of 5;
+    # 8 after the publish of 8), received through its new group
+    for joined in (4, 8):
+        assert any(r["versions_seen"][:2] == [0, joined] for r in summary["rollout"]), (joined, summary["rollout"])
+    assert versions == [summary["steps"], summary["steps"]] == [12, 12]
     flat = lambda rows: torch.tensor([x for row in rows for x in row])  # noqa: E731
-    gap = float((flat(engine) - flat(learner)).abs().max())
-    assert gap < 1e-4, f"the replacement's engine is {gap} away from the learner's newest weights"
-    print(f"{moment}: broadcasts resent {resent}, replacement log-prob gap {gap:.1e}, wall {summary['wall_seconds']:.0f} s")
-    assert float((flat(survivor) - flat(learner)).abs().max()) < 1e-4
+    gaps = [float((flat(engine) - flat(learner)).abs().max()) for engine in engines]
+    print(f"broadcasts resent {resent}, replacements' log-prob gaps {gaps}, wall {summary['wall_seconds']:.0f} s")
+    assert max(gaps) < 1e-4, f"the replacements' engines are {gaps} away from the learner's newest weights"
 
 
 @ray.remote(num_cpus=0)

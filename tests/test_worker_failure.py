@@ -207,11 +207,14 @@ def test_a_dead_learner_rank_stops_the_step_with_its_rank_and_node(ray_cluster, 
 
 
 # --- the whole run ------------------------------------------------------------------------------------------------
-def run_and_kill(tmp_path, role: str, kill_after_steps: int, *overrides: str) -> tuple[dict, list[str], list[dict],
-                                                                                    dict]:
-    """A demo run (2 rollout and 2 reward workers) in which `role` worker 0 (rollout, reward, reference, or critic
-    rank 0) is killed once the learner has trained `kill_after_steps` batches. Returns (summary, trained group ids,
-    metrics rows, {"groups": the trained groups, "restart_s": seconds from the kill to the replacement counted})."""
+# Each run kills two workers of different roles (one after the other): a Trainer's start costs most of a test's
+# time here, and the two replacements are independent (each role's counters and queue reasons are its own).
+def run_and_kill(tmp_path, kills: list[tuple[str, int]], *overrides: str) -> tuple[dict, list[str], list[dict],
+                                                                                     dict]:
+    """A demo run (2 rollout and 2 reward workers) in which, for each (role, kill_after_steps) of `kills` in turn,
+    `role` worker 0 (rollout, reward, reference, or critic rank 0) is killed once the learner has trained
+    `kill_after_steps` batches and its replacement is counted. Returns (summary, trained group ids, metrics rows,
+    {"groups": the trained groups, "restart_s": {role: seconds from its kill to its replacement counted}})."""
     import json
     import threading
     import time
@@ -223,23 +226,24 @@ def run_and_kill(tmp_path, role: str, kill_after_steps: int, *overrides: str) ->
                       "reward.num_workers=2", "rollout.prompts_in_flight=8", "data.num_eval_prompts=20",
                       *overrides)
     trainer = Trainer(cfg)
-    killed = threading.Event()
-    seen: dict = {"groups": []}
+    killed: list[str] = []
+    seen: dict = {"groups": [], "restart_s": {}}
     step = trainer.step
     trainer.step = lambda groups: (seen["groups"].extend(groups), step(groups))[1]  # record what is trained
 
     def killer() -> None:
-        while ray.get(trainer.controller.stats.remote())["queue/trained"] < kill_after_steps * 8:
-            time.sleep(0.2)
-        # a rollout worker is killed while it holds groups (leases), so there is something to release
-        while role == "rollout" and not ray.get(trainer.controller.leases_of.remote(0)):
-            time.sleep(0.01)
-        ray.kill(trainer.supervisor.workers(role)[0])
-        start = time.monotonic()
-        killed.set()
-        while not trainer.supervisor.replaced[role] and time.monotonic() - start < 600:
-            time.sleep(0.05)
-        seen["restart_s"] = time.monotonic() - start
+        for role, kill_after_steps in kills:
+            while ray.get(trainer.controller.stats.remote())["queue/trained"] < kill_after_steps * 8:
+                time.sleep(0.2)
+            # a rollout worker is killed while it holds groups (leases), so there is something to release
+            while role == "rollout" and not ray.get(trainer.controller.leases_of.remote(0)):
+                time.sleep(0.01)
+            ray.kill(trainer.supervisor.workers(role)[0])
+            start = time.monotonic()
+            killed.append(role)
+            while not trainer.supervisor.replaced[role] and time.monotonic() - start < 600:
+                time.sleep(0.05)
+            seen["restart_s"][role] = time.monotonic() - start
 
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
@@ -248,7 +252,7 @@ def run_and_kill(tmp_path, role: str, kill_after_steps: int, *overrides: str) ->
         trained = list(trainer.trained_group_ids)
     finally:
         trainer.shutdown()
-    assert killed.is_set(), "the run ended before the worker was killed"
+    assert killed == [role for role, _ in kills], f"the run ended before every kill: {killed}"
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     return summary, trained, rows, seen
 
@@ -269,13 +273,15 @@ def check_finished_and_accounted(tmp_path, summary: dict, trained: list[str], ro
 
 
 @pytest.mark.slow
-def test_killed_rollout_worker_is_replaced_and_the_run_finishes(ray_cluster, tmp_path):
-    summary, trained, rows, _ = run_and_kill(tmp_path, "rollout", 4)
+def test_killed_rollout_and_reward_workers_are_replaced_and_the_run_finishes(ray_cluster, tmp_path):
+    summary, trained, rows, _ = run_and_kill(tmp_path, [("rollout", 4), ("reward", 6)])
     dropped = check_finished_and_accounted(tmp_path, summary, trained, rows)
-    assert summary["replaced_workers"] == {"rollout": 1, "reward": 0, "reference": 0, "critic": 0}
-    assert rows[-1]["fault/replaced_rollout"] == 1 and rows[0]["fault/replaced_rollout"] == 0
+    assert summary["replaced_workers"] == {"rollout": 1, "reward": 1, "reference": 0, "critic": 0}
+    for role in ("rollout", "reward"):
+        assert rows[-1][f"fault/replaced_{role}"] == 1 and rows[0][f"fault/replaced_{role}"] == 0, role
     assert unknown_names(rows[-1]) == []  # the supervisor's counters are documented in protocols/metrics.py
-    # the dead worker's leased groups were released under their own reason (it was generating when killed)
+    # rollout: the dead worker's leased groups were released under their own reason (it was generating when
+    # killed)
     assert dropped.get("queue/dropped_rollout_worker_died", 0) >= 1, dropped
     # the replacement (slot 0's final report) loaded the weights current when it started (version 4 or later,
     # since 4 batches were trained before the kill) and then took work (its engine ran decode steps; on this
@@ -283,15 +289,8 @@ def test_killed_rollout_worker_is_replaced_and_the_run_finishes(ray_cluster, tmp
     replacement = summary["rollout"][0]
     assert replacement["versions_seen"][0] == 0 and replacement["versions_seen"][1] >= 4, replacement
     assert replacement["generate_s"] > 0, replacement
-
-
-@pytest.mark.slow
-def test_killed_reward_worker_is_replaced_and_its_groups_rescored(ray_cluster, tmp_path):
-    summary, trained, rows, _ = run_and_kill(tmp_path, "reward", 4)
-    dropped = check_finished_and_accounted(tmp_path, summary, trained, rows)
-    assert summary["replaced_workers"] == {"rollout": 0, "reward": 1, "reference": 0, "critic": 0}
+    # reward: groups whose scoring died with the worker went to the other one (or were dropped under their reason)
     q = summary["queue"]
-    # groups whose scoring died with the worker went to the other one (or were dropped under their reason)
     assert q["queue/rescored_reward_worker_died"] + dropped.get("queue/dropped_reward_worker_died", 0) >= 1, q
     assert dropped.get("queue/dropped_reward_failed", 0) == 0, dropped
     # evaluation after the run used the live workers: no held-out check was lost to the dead one
@@ -299,44 +298,34 @@ def test_killed_reward_worker_is_replaced_and_its_groups_rescored(ray_cluster, t
 
 
 @pytest.mark.slow
-def test_killed_reference_worker_is_replaced_and_its_groups_rescored(ray_cluster, tmp_path):
-    summary, trained, rows, seen = run_and_kill(tmp_path, "reference", 4, "algorithm.preset=grpo",
-                                                "reference.num_workers=1")
+def test_killed_reference_worker_and_critic_rank_are_replaced_and_the_run_finishes(ray_cluster, tmp_path, caplog):
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="cluster.critic_group")
+    summary, trained, rows, seen = run_and_kill(tmp_path, [("reference", 4), ("critic", 6)], "algorithm.preset=ppo",
+                                                "reference.num_workers=1", "critic.num_workers=2",
+                                                "rollout.num_workers=1")
     dropped = check_finished_and_accounted(tmp_path, summary, trained, rows)
-    print(f"reference worker: kill -> replacement counted in {seen['restart_s']:.1f} s; queue {summary['queue']}")
-    assert summary["replaced_workers"] == {"rollout": 0, "reward": 0, "reference": 1, "critic": 0}
-    assert rows[-1]["fault/replaced_reference"] == 1 and rows[0]["fault/replaced_reference"] == 0
-    # every trained trajectory carries the frozen reference's log-probs, one per response token
+    print(f"kill -> replacement counted in {seen['restart_s']} s; queue {summary['queue']}")
+    assert summary["replaced_workers"] == {"rollout": 0, "reward": 0, "reference": 1, "critic": 1}
+    for role in ("reference", "critic"):
+        assert rows[-1][f"fault/replaced_{role}"] == 1 and rows[0][f"fault/replaced_{role}"] == 0, role
+    # every trained trajectory carries the frozen reference's log-probs and the critic's values, one per response
+    # token
     for t in [t for g in seen["groups"] for t in g.trajectories]:
         assert t.ref_logprobs is not None and len(t.ref_logprobs) == len(t.response_token_ids)
+        assert t.values is not None and len(t.values) == len(t.response_token_ids)
     # groups whose reference scoring died were sent again or dropped under their own reason, never taken for a
     # reward worker's or a forward's failure
     q = summary["queue"]
     assert "queue/dropped_reference_failed" not in q and "queue/dropped_reward_failed" not in q, q
     assert q["queue/rescored_reward_worker_died"] == 0, q
-
-
-@pytest.mark.slow
-def test_killed_critic_rank_restarts_the_critic_group_and_the_run_finishes(ray_cluster, tmp_path, caplog):
-    import logging
-
-    caplog.set_level(logging.WARNING, logger="cluster.critic_group")
-    summary, trained, rows, seen = run_and_kill(tmp_path, "critic", 4, "algorithm.preset=ppo",
-                                                "critic.num_workers=2", "rollout.num_workers=1")
-    dropped = check_finished_and_accounted(tmp_path, summary, trained, rows)
-    print(f"critic rank: kill -> group restarted in {seen['restart_s']:.1f} s; queue {summary['queue']}")
-    assert summary["replaced_workers"] == {"rollout": 0, "reward": 0, "reference": 0, "critic": 1}
-    assert rows[-1]["fault/replaced_critic"] == 1 and rows[0]["fault/replaced_critic"] == 0
-    # rank 0 was killed: the new group started from rank 1's full weights (ZeRO-2), and the log says so
+    # critic rank 0 was killed: the new group started from rank 1's full weights (ZeRO-2), and the log says so
     assert any("weights from the full weights of surviving rank 1" in r.getMessage() for r in caplog.records)
-    # every trained trajectory carries values; the critic version never went back and kept pace with the policy
-    for t in [t for g in seen["groups"] for t in g.trajectories]:
-        assert t.values is not None and len(t.values) == len(t.response_token_ids)
+    # the critic version never went back and kept pace with the policy
     versions = [r["critic/version"] for r in rows if "critic/version" in r]
     assert versions == sorted(versions) and versions[-1] >= 10, versions
     assert (tmp_path / "final_critic" / "value_head.pt").is_file()
-    q = summary["queue"]
-    assert "queue/dropped_reward_failed" not in q and q["queue/rescored_reward_worker_died"] == 0, q
     # groups that met the dead critic waited for the new ranks and were sent again, not dropped by the hundred
     # (each rollout worker holds them until the restarted group's handles arrive)
     assert dropped.get("queue/dropped_critic_failed", 0) <= 8, dropped
