@@ -240,11 +240,13 @@ class SyncCheck(BaseModel):
     not checked for it; `weights/verify_checks` counts the checks made."""
 
     verify_tolerance: float | None = Field(None, gt=0, le=100)
-    """Largest |engine - learner| log-prob allowed on a probe token, in nats. None picks by model.dtype:
-    float32 1e-3 (vLLM's CPU engine against the DeepSpeed learner measured 1e-5 or less, tests/test_weight_sync.py;
-    the margin covers GPU kernels), bfloat16 and float16 0.5 (two bf16 implementations of one forward differ by a
-    few bf16 steps of the logits; a tensor left at other weights moved the same probe by 1 to 7 nats in the tests).
-    Raise it when a run stops on a gap that is the hardware's rounding; lower it to catch smaller drifts."""
+    """Largest |engine - learner| log-prob allowed on a probe token, in nats. None picks by model.dtype.
+    float32: 1e-3. tests/test_weight_sync.py measured 4e-7 to 1e-6 between vLLM's CPU engine and the DeepSpeed
+    learner after a whole load, and 1.4 after a load that left out one MLP matrix one AdamW step (lr 1e-2) old;
+    1e-3 leaves room for GPU kernels. bfloat16 and float16: 0.5, not measured on a GPU here: bf16 keeps 8 bits of
+    mantissa, so a logit near 20 rounds by up to 0.04 in each operation, and vLLM's kernels and the learner's round
+    differently in every layer (docs/weight_sync.md). Read a run's weights/verify_max_gap and set it a few times
+    above that to catch smaller drifts; raise it when a run stops on a gap that is the hardware's rounding."""
 
     verify_sequences: int = Field(4, ge=1, le=64)
     """Sequences in the probe."""
