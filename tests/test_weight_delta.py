@@ -274,3 +274,19 @@ def test_delta_metrics_say_full_or_the_changed_fraction():
     # 25 of 1000 elements changed
     assert delta_metrics({"delta": {"base_version": 3, "changed_elements": 25, "elements": 1000}}) == {
         "weights/delta_full": 0.0, "weights/changed_frac": 0.025}
+
+
+def test_a_collective_delta_against_a_version_the_engine_lacks_is_named():
+    from protocols.weight_wire import metas_of
+    from tests.test_weight_transport import _connect, _free_port
+
+    weights = _model(0, torch.float32)
+    sender, (receiver,) = _connect(_free_port(), 2, 1 << 20, metas_of(weights))
+    sender.previous = PreviousWeights()
+    list(sender.previous.record(iter(weights), 5))  # as if version 5 had gone to another group
+    try:
+        sender.publish(iter(_step(weights, 0.1, seed=1)), 6)
+        with pytest.raises(RuntimeError, match="changes to version 5, but this engine holds version 0"):
+            receiver.stage(6, [])
+    finally:
+        receiver.close()
