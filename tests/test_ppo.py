@@ -13,10 +13,17 @@ from protocols.metrics import unknown_names
 pytestmark = pytest.mark.slow
 
 
-def test_short_ppo_run_stamps_values_on_every_trajectory(ray_cluster, tmp_path):
+def test_short_ppo_run_stamps_values_on_every_trajectory_and_a_dead_critic_past_the_limit_stops_it(ray_cluster,
+                                                                                                      tmp_path):
+    import ray
+
+    from cluster.supervisor import WorkerLost
+
+    # fault.max_replacements=0 (no death in the run itself): a critic rank killed after the run is one death too
+    # many, so the error path is checked on the same Trainer (restarts themselves: tests/test_worker_failure.py)
     cfg = load_config(None, [f"output_dir={tmp_path}", "algorithm.preset=ppo", "critic.num_workers=1",
                              "train.steps=4", "train.max_staleness=1", "learner.prompts_per_step=4",
-                             "rollout.samples_per_prompt=4", "data.num_eval_prompts=20"])
+                             "rollout.samples_per_prompt=4", "data.num_eval_prompts=20", "fault.max_replacements=0"])
     trainer = Trainer(cfg)
     seen: list[tuple[int, list]] = []
     step = trainer.step
@@ -28,6 +35,16 @@ def test_short_ppo_run_stamps_values_on_every_trajectory(ray_cluster, tmp_path):
     trainer.step = recording_step
     try:
         summary = trainer.run()
+        # A dead critic worker past the restart limit stops the run with an error naming it, never a hang.
+        ray.get(trainer.controller.resume.remote())
+        ray.kill(trainer.critic.ranks[0])
+        trainer.supervisor.start_runs()
+        with pytest.raises(WorkerLost, match=r"critic worker 0 of critic.num_workers=1 died .*"
+                                             r"fault.max_replacements=0 allows no more"):
+            trainer._wait_for_batch()
+        ray.get(trainer.controller.stop.remote())
+        ray.get(trainer.supervisor.run_refs, timeout=60)
+        stats = ray.get(trainer.controller.stats.remote())
     finally:
         trainer.shutdown()
     assert len(seen) == 4
@@ -48,34 +65,9 @@ def test_short_ppo_run_stamps_values_on_every_trajectory(ray_cluster, tmp_path):
         assert unknown_names(r) == []  # critic/* among them: documented in protocols/metrics.py
     assert (tmp_path / "final_critic" / "value_head.pt").is_file()
     assert 0.0 <= summary["accuracy_after"] <= 1.0
-
-
-def test_a_dead_critic_worker_past_the_restart_limit_stops_the_run_with_its_name(ray_cluster, tmp_path):
-    import ray
-
-    from cluster.supervisor import WorkerLost
-
-    # fault.max_replacements=0: the first death is one too many (restarts themselves: tests/test_worker_failure.py)
-    cfg = load_config(None, [f"output_dir={tmp_path}", "algorithm.preset=ppo", "critic.num_workers=1",
-                             "train.max_staleness=0", "learner.prompts_per_step=2", "rollout.samples_per_prompt=4",
-                             "fault.max_replacements=0"])
-    trainer = Trainer(cfg)
-    try:
-        refs = [w.run.remote() for w in trainer.rollout_workers]
-        groups, _ = trainer._wait_for_batch()
-        trainer.step(groups)  # one healthy step first
-        ray.kill(trainer.critic.ranks[0])
-        with pytest.raises(WorkerLost, match=r"critic worker 0 of critic.num_workers=1 died .*"
-                                             r"fault.max_replacements=0 allows no more"):
-            trainer._wait_for_batch()
-        ray.get(trainer.controller.stop.remote())
-        ray.get(refs)
-        stats = ray.get(trainer.controller.stats.remote())
-    finally:
-        trainer.shutdown()
-    # every admitted group is accounted for: a group that met the dead critic (whether any did depends on timing)
-    # waited for a restart that never came and was dropped as critic_failed at stop, never taken for a dead reward
-    # worker's (those would be re-scored elsewhere)
+    # after the critic's death every admitted group is accounted for: a group that met the dead critic (whether
+    # any did depends on timing) waited for a restart that never came and was dropped as critic_failed at stop,
+    # never taken for a dead reward worker's (those would be re-scored elsewhere)
     dropped = sum(v for k, v in stats.items() if k.startswith("queue/dropped_"))
     assert stats["queue/admitted"] == stats["queue/trained"] + dropped + stats["queue/depth"] + stats["queue/in_flight"]
     assert stats.get("queue/rescored_reward_worker_died", 0) == 0
