@@ -39,7 +39,8 @@ class ToolResult:
     output: str
     """The tool's output text, or the error text when it failed (that text is still what the model reads)."""
     error: ToolError
-    """`` on success; `unknown_tool`, `exception` (it raised, refused, or the program failed) or `timeout`."""
+    """Empty on success; else `unknown_tool`, `exception` (it raised, refused, or the program failed) or
+    `timeout`."""
     seconds: float
     """Wall time of the call."""
 
