@@ -80,9 +80,6 @@ class Trainer:
             check_critic_model(self.model_path, critic_model_path(cfg, self.model_path),
                                cfg.model.trust_remote_code)
         self.cfg = cfg = fit_lengths_to_model(cfg, self.model_path)
-        # weight_sync.verify_every: the probe is built (and refused if it does not fit the engines) before any actor
-        self.weight_check = (WeightCheck(cfg, len(tokenizer), cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens)
-                             if cfg.weight_sync.verify_every else None)
         # every actor reads and writes the run folder by this one path, whatever its own working directory
         self.cfg = cfg = cfg.model_copy(update={"output_dir": str(Path(cfg.output_dir).resolve())})
         # --resume: the checkpoint must be complete and its shapes this config's, checked before any actor starts
@@ -95,6 +92,9 @@ class Trainer:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=cfg.model.trust_remote_code)
+        # weight_sync.verify_every: the probe is built (and refused if it does not fit the engines) before any actor
+        self.weight_check = (WeightCheck(cfg, len(tokenizer), cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens)
+                             if cfg.weight_sync.verify_every else None)
         self.train_prompts, self.data_counts = load_prompts(cfg.data, "train", tokenizer)
         self.eval_prompts, eval_counts = load_prompts(cfg.data, "test", tokenizer)
         self.eval_prompts = self.eval_prompts[: cfg.data.num_eval_prompts]
