@@ -2,6 +2,8 @@
 the learner does (tied and untied embeddings; and a tensor-parallel engine, whose every rank must load). The
 weight-sync check (weight_sync.verify_every) passes such a load and catches one with a tensor left out."""
 
+import json
+
 import pytest
 import ray
 import torch
@@ -134,3 +136,8 @@ def test_training_run_with_a_tensor_parallel_engine_and_collective_sync(ray_clus
     assert report["versions_seen"][0] == 0 and len(report["versions_seen"]) >= 2
     assert final_version == 4
     assert 0.0 <= summary["accuracy_after"] <= 1.0
+    # the weight-sync check ran on the loads (in the decode loop and between runs) and passed them all
+    check = summary["weight_sync_check"]
+    assert check["checks"] >= 1 and check["max_gap"] < check["tolerance"] == 1e-3, check
+    lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert "weights/verify_checks" in lines[-1] and "time/verify_s" in lines[-1]
