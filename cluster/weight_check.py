@@ -28,8 +28,8 @@ class WeightCheck:
         ws = cfg.weight_sync
         self.every = ws.verify_every
         self.tolerance = ws.check_tolerance(cfg.model.dtype)
-        self.tolerance_source = (f"weight_sync.verify_tolerance={ws.verify_tolerance}" if ws.verify_tolerance is not None
-                                 else f"the default for model.dtype={cfg.model.dtype}")
+        self.tolerance_source = (f"weight_sync.verify_tolerance={ws.verify_tolerance}"
+                                 if ws.verify_tolerance is not None else f"the default for model.dtype={cfg.model.dtype}")
         self.probe = run_probe(cfg, vocab_size)
         check_probe_fits(self.probe, context_tokens)
         self.learner_logprobs: OrderedDict[int, list[list[float]]] = OrderedDict()

@@ -76,7 +76,8 @@ def probe_gap(engine: list[list[float]], learner: list[list[float]]) -> ProbeGap
         raise ValueError(f"the engine scored {[len(r) for r in engine]} probe tokens per sequence but the learner "
                          f"{[len(r) for r in learner]}: the two sides built different probes")
     # a NaN on either side counts as an infinite gap: it must fail the check, and NaN never compares greater
-    gaps = [(_gap(a, b), i, j) for i, (er, lr) in enumerate(zip(engine, learner)) for j, (a, b) in enumerate(zip(er, lr))]
+    gaps = [(_gap(a, b), i, j) for i, (engine_row, learner_row) in enumerate(zip(engine, learner))
+            for j, (a, b) in enumerate(zip(engine_row, learner_row))]
     if not gaps:
         raise ValueError("the weight-sync probe has no response tokens; weight_sync.verify_response_tokens >= 1")
     worst = max(gaps)
