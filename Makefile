@@ -2,7 +2,7 @@
 VENV ?= .venv
 ARGS ?=
 
-.PHONY: install train train-longcot test bench
+.PHONY: install train train-longcot train-tools train-tools-no-tools test bench
 
 install:
 	VENV=$(VENV) bash deploy/install.sh
@@ -13,6 +13,13 @@ train: install
 # The long chain-of-thought demo (docs/longcot_demo.md): long-tailed responses, partial rollouts, token budgets.
 train-longcot: install
 	$(VENV)/bin/relayrl train --config deploy/configs/demo_longcot.yaml $(ARGS)
+
+# The tool demo (docs/tools_demo.md): products with the calculator tool, and the same task without it.
+train-tools: install
+	$(VENV)/bin/relayrl train --config deploy/configs/demo_tools.yaml $(ARGS)
+
+train-tools-no-tools: install
+	$(VENV)/bin/relayrl train --config deploy/configs/demo_tools_no_tools.yaml $(ARGS)
 
 # Pure tests run first (tests/conftest.py orders them), and the 20 slowest are listed at the end of every run
 # so that a test that grows shows.

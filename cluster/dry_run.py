@@ -56,9 +56,9 @@ def check_model(cfg: RunConfig) -> tuple[Check, Any, RunConfig]:
     from transformers import AutoTokenizer
 
     if not cfg.model.path:
-        from cluster.demo_model import build_tokenizer, default_cache_dir, demo_model_key
+        from cluster.demo_model import build_tokenizer, default_cache_dir, demo_model_key, uses_tool_vocabulary
 
-        folder = default_cache_dir() / demo_model_key(cfg.model.demo, cfg.data)
+        folder = default_cache_dir() / demo_model_key(cfg.model.demo, cfg.data, cfg.tools)
         note = ""
         if (folder / "config.json").is_file():
             where = f"cached at {folder}"
@@ -67,7 +67,7 @@ def check_model(cfg: RunConfig) -> tuple[Check, Any, RunConfig]:
             where = f"not built yet: the run builds it (random init + warm start) and caches it at {folder}"
         # The demo tokenizer is written by code; a temporary copy serves the data check.
         with tempfile.TemporaryDirectory(prefix="relayrl-dry-run-") as tmp:
-            tokenizer = build_tokenizer(tmp)
+            tokenizer = build_tokenizer(tmp, cfg.tools if uses_tool_vocabulary(cfg.model.demo, cfg.data) else None)
         d = cfg.model.demo
         return Check("model", "ok", f"built-in demo model ({d.num_layers} layers, hidden {d.hidden_size}, context "
                                     f"{d.max_position_embeddings} tokens), {where}{note}"), tokenizer, cfg
@@ -112,8 +112,9 @@ def check_data(cfg: RunConfig, split: Literal["train", "test"], tokenizer: Any) 
         prompts, counts = load_arithmetic_prompts(cfg.data, split, tokenizer)
         if not prompts:
             return Check(name, "error", f"no arithmetic prompt fits data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
-        return Check(name, "ok", f"built-in arithmetic task: {len(prompts)} generated problems (operands 0 to "
-                                 f"{cfg.data.arithmetic_max_operand}), e.g. {prompts[0].prompt_text!r} = "
+        return Check(name, "ok", f"built-in arithmetic task: {len(prompts)} generated problems (operands "
+                                 f"{cfg.data.arithmetic_min_operand} to {cfg.data.arithmetic_max_operand}), "
+                                 f"e.g. {prompts[0].prompt_text!r} = "
                                  f"{len(prompts[0].prompt_token_ids)} tokens, {counts['data/skipped_too_long']} "
                                  "over data.max_prompt_tokens")
     setting = "data.train_path" if split == "train" else "data.test_path"

@@ -255,7 +255,7 @@ def run_eval(cfg: RunConfig, model: str, data: str, samples: int, fields: dict[s
     if model == "demo":  # the cached warm-started demo model (built on first use), as `relayrl train` uses it
         from cluster.demo_model import prepare_demo_model
 
-        model = prepare_demo_model(demo=cfg.model.demo, data=cfg.data)
+        model = prepare_demo_model(demo=cfg.model.demo, data=cfg.data, tools=cfg.tools)
     check_model_folder(model)
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": model})})
     cfg = fit_lengths_to_model(cfg, model)

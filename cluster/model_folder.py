@@ -25,7 +25,7 @@ def resolve_model_path(cfg: RunConfig) -> str:
         return prepare_longcot_model(demo=cfg.model.demo, data=cfg.data, log=log.info)
     from cluster.demo_model import prepare_demo_model
 
-    return prepare_demo_model(demo=cfg.model.demo, data=cfg.data)
+    return prepare_demo_model(demo=cfg.model.demo, data=cfg.data, tools=cfg.tools)
 
 
 def fit_lengths_to_model(cfg: RunConfig, model_path: str) -> RunConfig:

@@ -46,7 +46,14 @@ class DataConfig(BaseModel):
     """Held-out prompts scored (greedy) before and after training."""
 
     arithmetic_max_operand: int = Field(99, ge=1, le=9999)
-    """Demo task: operands are drawn from [0, this]."""
+    """Demo task: operands are drawn from [arithmetic_min_operand, this]."""
+
+    arithmetic_min_operand: int = Field(0, ge=0, le=9999)
+    """Demo task: smallest operand. The tool demo uses 100 (with max 9999: products of 3- to 4-digit numbers)."""
+
+    arithmetic_op: Literal["+", "*"] = "+"
+    """Demo task: `+` asks `a+b=` (the addition demo); `*` asks `a*b=`, a product the tiny model cannot work out
+    in its head but can get from the calculator tool (deploy/configs/demo_tools.yaml)."""
 
     arithmetic_num_train: int = Field(5000, ge=1)
     """Demo task: distinct training problems generated (held-out problems never overlap them)."""

@@ -57,6 +57,18 @@ class DemoModelConfig(BaseModel):
     warm_start_batch: int = Field(64, ge=1, le=65_536)
     """Problems per warm-start step."""
 
+    tool_share: float = Field(0.0, ge=0.0, le=1.0)
+    """Share of warm-start problems written as a calculator call, its output (context, no loss) and the copied
+    result; the rest are answered directly. 0 (the addition demo): the model never sees a tool. The tool demo
+    (deploy/configs/demo_tools.yaml) uses 0.3, so the warm-started model calls the tool on some problems and RL
+    has room to raise the call rate. Adds the tool tags (`tools.call_start` etc.) to the demo vocabulary."""
+
+    warm_start_target_call_rate: float = Field(0.35, gt=0.0, le=1.0)
+    """With tool_share > 0, the warm start stops (instead of at warm_start_target_accuracy) once, in two checks in
+    a row (one every 100 steps, on 200 problems), its greedy rollouts call the tool on at most this share of the
+    check problems and at least 90% of those calls end in the right answer. Early in training the model calls on almost every problem;
+    the call rate then falls as it learns to guess the answer's first digit."""
+
     seed: int = Field(0, ge=0)
     """Seeds the random init and the warm-start batches; a different seed builds (and caches) another model."""
 

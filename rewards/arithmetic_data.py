@@ -1,4 +1,5 @@
-"""The built-in demo task's problems: addition `a+b=` whose gold answer is `str(a+b)`.
+"""The built-in demo task's problems: addition `a+b=` whose gold answer is `str(a+b)`, or products `a*b=` (the
+tool demo, where the model calls the calculator) whose gold answer is `str(a*b)`.
 
 Problems are generated, never read from disk: each (a, b) pair belongs to the train or the test split by a fixed
 hash, so the splits never overlap whatever the counts or the seed. rewards/datasets.py turns them into `Prompt`s;
@@ -32,20 +33,28 @@ def pair_split(a: int, b: int) -> Split:
     return "test" if key % 1000 < TEST_FRACTION_PER_MILLE else "train"
 
 
-def arithmetic_problems(max_operand: int, split: Split, count: int, seed: int = 0) -> list[tuple[int, int]]:
-    """`count` distinct (a, b) pairs of `split`, operands in [0, max_operand], in a seeded order.
+def arithmetic_problems(
+    max_operand: int, split: Split, count: int, seed: int = 0, min_operand: int = 0
+) -> list[tuple[int, int]]:
+    """`count` distinct (a, b) pairs of `split`, operands in [min_operand, max_operand], in a seeded order.
 
     The order (and, for large operand spaces, which pairs are drawn) depends on `seed`; split membership does not.
     """
-    space = (max_operand + 1) ** 2
+    if min_operand > max_operand:
+        raise ValueError(
+            f"data.arithmetic_min_operand={min_operand} is above data.arithmetic_max_operand={max_operand}: operands "
+            f"are drawn from [min, max]. Lower the minimum or raise the maximum.")
+    space = (max_operand - min_operand + 1) ** 2
     expected_pool = space * (TEST_FRACTION_PER_MILLE if split == "test" else 1000 - TEST_FRACTION_PER_MILLE) // 1000
     setting = "data.num_eval_prompts" if split == "test" else "data.arithmetic_num_train"
     if space <= _ENUMERATE_LIMIT:
-        pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1) if pair_split(a, b) == split]
+        operands = range(min_operand, max_operand + 1)
+        pairs = [(a, b) for a in operands for b in operands if pair_split(a, b) == split]
         if count > len(pairs):
             raise ValueError(
                 f"{setting}={count} asks for more {split} problems than exist with "
-                f"data.arithmetic_max_operand={max_operand}: the {split} split has {len(pairs)} pairs. "
+                f"data.arithmetic_min_operand={min_operand} and data.arithmetic_max_operand={max_operand}: "
+                f"the {split} split has {len(pairs)} pairs. "
                 f"Lower {setting} to at most {len(pairs)} or raise data.arithmetic_max_operand."
             )
         pairs.sort(key=lambda p: _mix64((p[0] * (max_operand + 1) + p[1]) ^ _mix64(seed)))
@@ -54,16 +63,26 @@ def arithmetic_problems(max_operand: int, split: Split, count: int, seed: int = 
         # Rejection sampling of distinct pairs slows down sharply past half the pool.
         raise ValueError(
             f"{setting}={count} is more than half of the about {expected_pool} {split} pairs with "
-            f"data.arithmetic_max_operand={max_operand}; lower {setting} or raise the operand range."
+            f"data.arithmetic_min_operand={min_operand} and data.arithmetic_max_operand={max_operand}; lower "
+            f"{setting} or widen the operand range."
         )
     rng = random.Random(f"arithmetic/{split}/{seed}")
     chosen: dict[tuple[int, int], None] = {}
     while len(chosen) < count:
-        pair = (rng.randint(0, max_operand), rng.randint(0, max_operand))
+        pair = (rng.randint(min_operand, max_operand), rng.randint(min_operand, max_operand))
         if pair_split(*pair) == split:
             chosen[pair] = None
     return list(chosen)
 
 
-def problem_text(a: int, b: int) -> str:
-    return f"{a}+{b}="
+def problem_text(a: int, b: int, op: str = "+") -> str:
+    return f"{a}{op}{b}="
+
+
+def problem_answer(a: int, b: int, op: str = "+") -> str:
+    """The gold answer: the sum or the product, as decimal digits."""
+    if op == "+":
+        return str(a + b)
+    if op == "*":
+        return str(a * b)
+    raise ValueError(f"data.arithmetic_op={op!r} is not an arithmetic task's operator; use '+' or '*'")

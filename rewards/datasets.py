@@ -12,7 +12,7 @@ from typing import Any, Literal
 from protocols.data import DataConfig
 from protocols.trajectory import Prompt
 from rewards.answer_formats import gsm8k_gold_answer, last_boxed
-from rewards.arithmetic_data import arithmetic_problems, problem_text
+from rewards.arithmetic_data import arithmetic_problems, problem_answer, problem_text
 from rewards.longcot_data import longcot_problems
 from rewards.longcot_data import problem_text as longcot_text
 
@@ -67,16 +67,17 @@ def load_arithmetic_prompts(
 ) -> tuple[list[Prompt], dict[str, int]]:
     """Prompts of one split (`arithmetic_num_train` for train, `num_eval_prompts` for test) and loader counts.
 
-    The problems come from rewards/arithmetic_data.py. The text `a+b=` goes through `data.prompt_template` and
-    the chat template like any dataset's (both are no-ops for the demo tokenizer with default settings, which
-    then only puts BOS in front). Prompts longer than `cfg.max_prompt_tokens` are skipped, never truncated, and
-    counted.
+    The problems come from rewards/arithmetic_data.py. The text `a+b=` (or `a*b=`) goes through
+    `data.prompt_template` and the chat template like any dataset's (both are no-ops for the demo tokenizer with
+    default settings, which then only puts BOS in front). Prompts longer than `cfg.max_prompt_tokens` are skipped,
+    never truncated, and counted.
     """
     count = cfg.arithmetic_num_train if split == "train" else cfg.num_eval_prompts
     prompts: list[Prompt] = []
     skipped = 0
-    for i, (a, b) in enumerate(arithmetic_problems(cfg.arithmetic_max_operand, split, count, seed)):
-        text = cfg.prompt_template.replace("{prompt}", problem_text(a, b))
+    pairs = arithmetic_problems(cfg.arithmetic_max_operand, split, count, seed, min_operand=cfg.arithmetic_min_operand)
+    for i, (a, b) in enumerate(pairs):
+        text = cfg.prompt_template.replace("{prompt}", problem_text(a, b, cfg.arithmetic_op))
         ids = encode_prompt(text, cfg, tokenizer)
         if len(ids) > cfg.max_prompt_tokens:
             skipped += 1
@@ -86,7 +87,7 @@ def load_arithmetic_prompts(
                 prompt_id=f"arithmetic/{split}/{i}",
                 prompt_token_ids=ids,
                 prompt_text=text,
-                answer=str(a + b),
+                answer=problem_answer(a, b, cfg.arithmetic_op),
             )
         )
     return prompts, {"data/loaded": len(prompts), "data/skipped_too_long": skipped}

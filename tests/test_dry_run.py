@@ -11,7 +11,7 @@ import ray
 
 from cluster.cli import main
 from tests.conftest import REPO, shared_dir, start_test_ray
-from tests.test_configs import CONFIGS
+from tests.test_configs import GPU_CONFIGS as CONFIGS  # the CPU demos describe no cluster
 
 GSM8K = shared_dir() / "data" / "gsm8k"
 
