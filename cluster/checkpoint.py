@@ -38,6 +38,7 @@ SHAPE_SETTINGS = (
     "data.format", "data.train_path", "data.prompt_field", "data.answer_field", "data.tests_field",
     "data.prompt_template", "data.system_prompt", "data.use_chat_template", "data.max_prompt_tokens",
     "data.arithmetic_max_operand", "data.arithmetic_num_train", "data.arithmetic_min_operand", "data.arithmetic_op",
+    "data.longcot_num_train", "data.longcot_long_fraction", "data.longcot_max_b",
 )
 """Settings a resumed run must share with its checkpoint: they fix the shapes of the weights and the optimizer
 partitions (model, dtype, ranks, ZeRO stage; the critic's too), the group size and batch the queue and admission accounting count

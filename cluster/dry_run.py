@@ -55,6 +55,20 @@ def check_model(cfg: RunConfig) -> tuple[Check, Any, RunConfig]:
     built here: its cache is looked up."""
     from transformers import AutoTokenizer
 
+    if not cfg.model.path and cfg.data.format == "longcot":
+        from cluster.demo_model import default_cache_dir
+        from cluster.longcot_model import build_longcot_tokenizer, longcot_model_key
+
+        folder = default_cache_dir() / longcot_model_key(cfg.model.demo, cfg.data)
+        if (folder / "config.json").is_file():
+            cfg, note = fit_context(cfg, folder)
+            where = f"cached at {folder}{note}"
+        else:
+            where = f"not built yet: the run builds it (random init + warm start) and caches it at {folder}"
+        with tempfile.TemporaryDirectory(prefix="relayrl-dry-run-") as tmp:
+            tokenizer = build_longcot_tokenizer(tmp)
+        return Check("model", "ok", f"built-in long-CoT demo model (context {cfg.model.demo.max_position_embeddings} "
+                                    f"tokens), {where}"), tokenizer, cfg
     if not cfg.model.path:
         from cluster.demo_model import build_tokenizer, default_cache_dir, demo_model_key, uses_tool_vocabulary
 
@@ -108,6 +122,14 @@ def check_data(cfg: RunConfig, split: Literal["train", "test"], tokenizer: Any) 
     from rewards.datasets import DataError, _map_row, _rows, encode_prompt, load_arithmetic_prompts
 
     name = f"data ({split})"
+    if cfg.data.format == "longcot":
+        from rewards.datasets import load_longcot_prompts
+
+        prompts, counts = load_longcot_prompts(cfg.data, split, tokenizer)
+        if not prompts:
+            return Check(name, "error", f"no long-CoT prompt fits data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
+        return Check(name, "ok", f"built-in long-CoT task: {len(prompts)} generated problems, e.g. "
+                                 f"{prompts[0].prompt_text!r}, {counts['data/skipped_too_long']} over data.max_prompt_tokens")
     if cfg.data.format == "arithmetic":
         prompts, counts = load_arithmetic_prompts(cfg.data, split, tokenizer)
         if not prompts:

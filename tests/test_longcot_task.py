@@ -123,3 +123,13 @@ def test_warm_start_below_its_target_refuses(tmp_path):
     build_longcot_random_model(tmp_path, demo)
     with pytest.raises(WarmStartFailed, match="model.demo.warm_start_target_accuracy=0.5"):
         warm_start_longcot(tmp_path, data, demo, num_check_problems=8)
+
+
+def test_dry_run_reads_the_longcot_task_with_its_own_tokenizer(tmp_path):
+    from cluster.dry_run import check_data
+    from protocols.config import RunConfig
+
+    cfg = RunConfig(data=DataConfig(format="longcot", num_eval_prompts=10))
+    check = check_data(cfg, "test", build_longcot_tokenizer(tmp_path))
+    # 10 distinct held-out prompts, each a*b= in characters the tokenizer knows
+    assert check.status == "ok" and "10 generated problems" in check.detail
