@@ -71,6 +71,10 @@ class Supervisor:
         self._last_check = 0.0
         self.resent_publishes = 0
         """Collective broadcasts sent again after a dead engine broke them (publish_weights)."""
+        self._publishing: int | None = None
+        """The version whose broadcast broke, while its dead engine is replaced (the new group receives it)."""
+        self._resent: dict = {}
+        """The announcement of the last send on a rejoined group: a broken publish returns it."""
 
     # --- rollout runs -----------------------------------------------------------------------------------------
     def start_runs(self) -> None:
@@ -195,17 +199,22 @@ class Supervisor:
         """The learner's publish of `version` (LearnerGroup.publish_weights). With a transport that forms a group
         (weight_sync.type=collective), a rollout engine that died since the last health check breaks the broadcast
         (its connections close) before the driver could notice; the dead worker is then replaced, which opens a
-        new group with every live engine and hands it the last announced version, and `version` is sent once more. Raises the broadcast's error
-        when no worker is found dead within weight_sync.timeout_s (a live engine that stopped receiving)."""
+        new group with every live engine, and `version` goes out again on it (the learner already holds `version`'s
+        weights, so that is what the new group receives, under that label). Raises the broadcast's error when no
+        worker is found dead within weight_sync.timeout_s (a live engine that stopped receiving)."""
         try:
             return self.learner.publish_weights(version)
         except BroadcastFailed as err:
-            if not self._replace_dead_engines():
-                raise
+            self._publishing = version
+            try:
+                if not self._replace_dead_engines():
+                    raise
+            finally:
+                self._publishing = None
             log.warning("weight broadcast of version %d failed (%s); resent after replacing the dead rollout worker",
                         version, err)
         self.resent_publishes += 1
-        return self.learner.publish_weights(version)
+        return self._resent
 
     def _replace_dead_engines(self) -> bool:
         """Replace the rollout workers that died (each replacement rejoins the weight group); True if any did."""
@@ -279,17 +288,22 @@ class Supervisor:
 
     def _rejoin_weight_group(self, index: int) -> None:
         """A transport that forms a group (`collective`) has a fixed membership, so every engine and learner rank 0
-        open a new one. Running workers take no calls, so generation pauses meanwhile; the learner then
-        sends the current version again, which only the new engine loads."""
+        open a new one. Running workers take no calls, so generation pauses meanwhile. The learner then sends its
+        weights on the new group, labelled with the version they are: the last announced one, or, when a broken
+        broadcast brought us here, the version that broadcast carried (the learner has already stepped past the
+        announced one; sending its weights under the older label would stamp the new engine's tokens wrongly)."""
         running = self.run_refs is not None
         if running:
             self.run_refs[index] = None
             self.stop_runs()
         self.learner.join_weight_group(self.rollout_workers)
-        latest = ray.get(self.controller.latest_weights.remote(0), timeout=self.cfg.fault.worker_start_timeout_s)
-        if latest is not None:
-            self.learner.publish_weights(latest[0])
-            self._started("rollout", index, self.rollout_workers[index].load_weights.remote(latest[0], []))
+        version = self._publishing
+        if version is None:
+            latest = ray.get(self.controller.latest_weights.remote(0), timeout=self.cfg.fault.worker_start_timeout_s)
+            version = latest[0] if latest is not None else None
+        if version is not None:
+            self._resent = self.learner.publish_weights(version)
+            self._started("rollout", index, self.rollout_workers[index].load_weights.remote(version, []))
         if running:
             ray.get(self.controller.resume.remote(), timeout=self.cfg.fault.worker_start_timeout_s)
             self.start_runs()

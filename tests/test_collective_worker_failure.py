@@ -40,7 +40,8 @@ def test_killed_rollout_workers_rejoin_the_collective_weight_group(ray_cluster, 
     """One run, two kills at the two moments that take different paths (one run instead of one per moment: a
     Trainer's start costs most of a test's time here). Worker 0 is killed between the learner's 5th update and its
     broadcast, which then meets the dead engine before any health check can (the supervisor replaces it and sends
-    the version again). Worker 1 is killed once version 8 is announced (the driver waits meanwhile), so the
+    the version again, on the new group). The weight-sync check (on by default) proves every engine holds the
+    weights its version label says. Worker 1 is killed once version 8 is announced (the driver waits meanwhile), so the
     driver's next health check finds it first; its replacement opens the second new group, which the first
     replacement joins as a survivor."""
     from cluster.trainer import Trainer
@@ -97,9 +98,9 @@ def test_killed_rollout_workers_rejoin_the_collective_weight_group(ray_cluster, 
     # before_a_publish: the broadcast of version 5 failed and went out again on the new group; after_a_publish:
     # the health check found the dead worker before any broadcast did, so nothing was sent twice
     assert resent == 1
-    # each replacement's first load was the version announced when it joined (4 before the failed broadcast of 5;
-    # 8 after the publish of 8), received through its new group
-    for joined in (4, 8):
+    # each replacement's first load came through its new group, labelled with the weights it is: 5, the version
+    # whose broadcast broke (the learner had already stepped to it), and 8, the one announced when it joined
+    for joined in (5, 8):
         assert any(r["versions_seen"][:2] == [0, joined] for r in summary["rollout"]), (joined, summary["rollout"])
     assert versions == [summary["steps"], summary["steps"]] == [12, 12]
     flat = lambda rows: torch.tensor([x for row in rows for x in row])  # noqa: E731
