@@ -38,6 +38,15 @@ def configure_vllm_env(cfg: RunConfig) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def cpu_step_budget(cfg: RunConfig, max_len: int, on_gpu: bool) -> dict:
+    """On CPU, a step budget that never splits a prompt over two steps: vLLM's CPU sampler fails on a seeded
+    request whose prefill is chunked ("CPU Generator does not use offset"), which a burst of multi-turn
+    continuations (or long prompts) otherwise triggers. GPUs keep vLLM's own budget (it sizes activation memory)."""
+    if on_gpu:
+        return {}
+    return {"max_num_batched_tokens": max(cfg.rollout.max_num_seqs * max_len, 4096)}
+
+
 class RolloutWorker:
     def __init__(self, cfg: RunConfig, worker_id: int, model_path: str, controller=None,
                  reward_workers: list | None = None, critic_workers: list | None = None,
@@ -63,6 +72,7 @@ class RolloutWorker:
                 tensor_parallel_size=cfg.rollout.tensor_parallel_size,
                 max_model_len=max_len,
                 max_num_seqs=cfg.rollout.max_num_seqs,
+                **cpu_step_budget(cfg, max_len, self.on_gpu),
                 enforce_eager=cfg.rollout.enforce_eager,
                 # KV computed under old weights must not be reused for new requests after a weight update.
                 enable_prefix_caching=False,
