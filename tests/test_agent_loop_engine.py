@@ -10,6 +10,7 @@ after it (`...</tool_call>7`), so the stop string ends mid-token and vLLM cuts t
 """
 
 import gc
+import os
 import re
 import threading
 import time
@@ -71,11 +72,19 @@ def worker(tmp_path_factory):
         "rollout": {"samples_per_prompt": 4, "max_response_tokens": MAX_RESPONSE_TOKENS, "max_num_seqs": 16},
         "tools": {"builtin": ["calculator"], "max_turns": 3, "max_output_tokens": 16},
         "weight_sync": {"verify_every": 0}})
+    # vLLM's in-process CPU engine re-binds this process's threads (affinity, torch threads, OMP variables); a Ray
+    # cluster or DeepSpeed rank started later by this pytest process would inherit them and compute with other
+    # reduction orders, so they are put back when the module ends.
+    env, affinity, threads = dict(os.environ), os.sched_getaffinity(0), torch.get_num_threads()
     w = RolloutWorker(cfg, 0, path)
     yield w
     w.agent.close()
     del w
     gc.collect()
+    os.environ.clear()
+    os.environ.update(env)
+    os.sched_setaffinity(0, affinity)
+    torch.set_num_threads(threads)
 
 
 class RecordingEngine:

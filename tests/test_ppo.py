@@ -41,7 +41,9 @@ def test_short_ppo_run_stamps_values_on_every_trajectory_and_a_dead_critic_past_
         trainer.supervisor.start_runs()
         with pytest.raises(WorkerLost, match=r"critic worker 0 of critic.num_workers=1 died .*"
                                              r"fault.max_replacements=0 allows no more"):
-            trainer._wait_for_batch()
+            # groups the critic valued before its death may still fill a batch or two; the next wait meets it
+            for _ in range(20):
+                trainer._wait_for_batch()
         ray.get(trainer.controller.stop.remote())
         ray.get(trainer.supervisor.run_refs, timeout=60)
         stats = ray.get(trainer.controller.stats.remote())
