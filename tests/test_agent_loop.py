@@ -15,6 +15,7 @@ from protocols.reward import RewardConfig
 from protocols.tools import ToolsConfig
 from protocols.trajectory import Prompt
 from rewards.tools import ToolBox, ToolResult
+from tests.test_decode_loop import ScriptedEngine
 
 VOCAB = ["?", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "calc", "nope", ":", "*",
          *"0123456789", "a", "b", "calculator"]
@@ -42,45 +43,6 @@ class Tokenizer:
 
     def decode(self, token_ids, skip_special_tokens=False):
         return "".join(VOCAB[t] for t in token_ids)
-
-
-class ScriptedEngine:
-    """Each request samples its script (a list of token ids), `per_step` tokens a step, log-prob -token/10; its
-    text is the tokens' pieces. Ends `stop`, or `length` where the script is longer than max_tokens."""
-
-    def __init__(self, scripts: dict[str, list[int]], per_step: int = 2) -> None:
-        self.scripts = scripts
-        self.per_step = per_step
-        self.live: dict[str, dict] = {}
-        self.added: list[tuple[str, list[int], int]] = []
-
-    def add_request(self, request_id, prompt, params):
-        self.added.append((request_id, list(prompt["prompt_token_ids"]), params.max_tokens))
-        script = self.scripts[request_id]
-        self.live[request_id] = {"tokens": script[:params.max_tokens], "done": 0,
-                                 "reason": "length" if len(script) > params.max_tokens else "stop"}
-
-    def has_unfinished_requests(self):
-        return bool(self.live)
-
-    def abort_request(self, request_ids):
-        for request_id in request_ids:
-            self.live.pop(request_id)
-
-    def step(self):
-        outs = []
-        for request_id, r in list(self.live.items()):
-            r["done"] = min(len(r["tokens"]), r["done"] + self.per_step)
-            tokens = r["tokens"][:r["done"]]
-            finished = r["done"] == len(r["tokens"])
-            completion = SimpleNamespace(
-                token_ids=tokens, text="".join(VOCAB[t] for t in tokens),
-                logprobs=[{t: SimpleNamespace(logprob=-t / 10)} for t in tokens],
-                finish_reason=r["reason"] if finished else None)
-            outs.append(SimpleNamespace(request_id=request_id, finished=finished, outputs=[completion]))
-            if finished:
-                del self.live[request_id]
-        return outs
 
 
 class ScriptedTools:
@@ -119,7 +81,7 @@ def _params(sample, max_tokens):
 
 
 def make_loop(scripts, tools=TOOLS, toolbox=None, samples=1, budget=32, per_step=2):
-    engine = ScriptedEngine(scripts, per_step)
+    engine = ScriptedEngine(scripts, per_step, piece=VOCAB.__getitem__)
     agent = AgentLoop(tools, RewardConfig(), Tokenizer(), toolbox=toolbox or ScriptedTools())
     loop = DecodeLoop(engine, _params, samples, budget, worker_id=0, on_request_end=agent)
     return engine, agent, loop

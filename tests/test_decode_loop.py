@@ -10,10 +10,12 @@ from protocols.trajectory import Prompt
 
 class ScriptedEngine:
     """Each request samples the tokens its script gives, `per_step` a step, with log-prob -token/10; it ends
-    with finish_reason `stop`, or `length` where the script is longer than max_tokens."""
+    with finish_reason `stop`, or `length` where the script is longer than max_tokens. Its text is each token's
+    `piece` (default `<id>`). tests/test_agent_loop.py drives it too."""
 
-    def __init__(self, scripts: dict[str, list[int]], per_step: int = 2) -> None:
+    def __init__(self, scripts: dict[str, list[int]], per_step: int = 2, piece=lambda t: f"<{t}>") -> None:
         self.scripts = scripts
+        self.piece = piece
         self.per_step = per_step
         self.live: dict[str, dict] = {}
         self.added: list[tuple[str, list[int], int]] = []  # (request id, prompt ids, max_tokens)
@@ -38,7 +40,7 @@ class ScriptedEngine:
             tokens = r["tokens"][:r["done"]]
             finished = r["done"] == len(r["tokens"])
             completion = SimpleNamespace(
-                token_ids=tokens, text="".join(f"<{t}>" for t in tokens),
+                token_ids=tokens, text="".join(self.piece(t) for t in tokens),
                 logprobs=[{t: SimpleNamespace(logprob=-t / 10)} for t in tokens],
                 finish_reason=r["reason"] if finished else None)
             outs.append(SimpleNamespace(request_id=request_id, finished=finished, outputs=[completion]))
