@@ -390,25 +390,15 @@ def prepare_demo_model(
     """Folder of the warm-started demo model, built once per settings and reused from `cache_dir` after.
     `tools` gives the tool demo its tags (default: protocols/tools.py's); the tools a run enables do not matter,
     so the tool demo and its no-tools comparison start from the same model.
-
-    Builds in a temporary folder and renames it into place with the ready marker inside, so a crash or a
-    concurrent builder never leaves a half-written folder that a later run would reuse.
+    Built by `build_cached`: never half-written, whatever crashes or runs beside it.
     """
     demo = demo or DemoModelConfig()
     data = data or DataConfig()
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     tools = tools or ToolsConfig()
     tool_vocabulary = uses_tool_vocabulary(demo, data)
-    final = cache / demo_model_key(demo, data, tools)
-    if (final / READY_MARKER).is_file():
-        return str(final)
-    cache.mkdir(parents=True, exist_ok=True)
-    if final.exists():
-        # A folder without the marker is from an older crashed build (ours are renamed in whole): replace it.
-        shutil.rmtree(final, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".building-{final.name}-", dir=cache))
-    try:
-        start = time.perf_counter()
+
+    def build(tmp: Path) -> dict[str, Any]:
         build_random_model(
             tmp,
             tied=demo.tied,
@@ -446,8 +436,29 @@ def prepare_demo_model(
             else:
                 accuracy = greedy_accuracy_hf(tmp, tokenizer, test_prompts, verify_arithmetic)
                 stats["warm_start/test_greedy_accuracy"] = accuracy
-        stats["warm_start/total_seconds"] = time.perf_counter() - start
         stats["settings"] = {"demo": demo.model_dump(mode="json"), "data": data.model_dump(mode="json")}
+        return stats
+
+    return build_cached(cache, demo_model_key(demo, data, tools), build)
+
+
+def build_cached(cache: Path, key: str, build: Callable[[Path], dict[str, Any]]) -> str:
+    """`cache/key`, built by `build(folder)` the first time (it returns the stats written into the ready marker,
+    to which the build's wall seconds are added) and reused after. The build runs in a temporary folder renamed
+    into place with the marker inside, so a crash or a concurrent builder never leaves a half-written folder that
+    a later run would reuse."""
+    final = cache / key
+    if (final / READY_MARKER).is_file():
+        return str(final)
+    cache.mkdir(parents=True, exist_ok=True)
+    if final.exists():
+        # A folder without the marker is from an older crashed build (ours are renamed in whole): replace it.
+        shutil.rmtree(final, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".building-{final.name}-", dir=cache))
+    try:
+        start = time.perf_counter()
+        stats = build(tmp)
+        stats["warm_start/total_seconds"] = time.perf_counter() - start
         (tmp / READY_MARKER).write_text(json.dumps(stats, indent=2))
         try:
             tmp.rename(final)

@@ -8,8 +8,6 @@ and refuses to hand over a model that never reached it.
 
 import hashlib
 import json
-import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,7 +17,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from cluster.demo_model import BOS, EOS, PAD, READY_MARKER, default_cache_dir, greedy_responses_hf
+from cluster.demo_model import BOS, EOS, PAD, build_cached, default_cache_dir, greedy_responses_hf
 from protocols.data import DataConfig
 from protocols.model import DemoModelConfig
 from protocols.trajectory import Prompt
@@ -256,15 +254,8 @@ def prepare_longcot_model(
     demo = demo or DemoModelConfig()
     data = data or DataConfig(format="longcot")
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = cache / longcot_model_key(demo, data)
-    if (final / READY_MARKER).is_file():
-        return str(final)
-    cache.mkdir(parents=True, exist_ok=True)
-    if final.exists():
-        shutil.rmtree(final, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".building-{final.name}-", dir=cache))
-    try:
-        start = time.perf_counter()
+
+    def build(tmp: Path) -> dict[str, Any]:
         build_longcot_random_model(tmp, demo)
         stats: dict[str, Any] = warm_start_longcot(tmp, data, demo, log=log)
         if evaluate:
@@ -274,14 +265,7 @@ def prepare_longcot_model(
             responses = greedy_responses_by_length(model, tokenizer, test_prompts)
             for name, value in accuracy_by_difficulty(test_prompts, responses).items():
                 stats[f"warm_start/test_greedy_{name}"] = value
-        stats["warm_start/total_seconds"] = time.perf_counter() - start
         stats["settings"] = {"demo": demo.model_dump(mode="json"), "data": data.model_dump(mode="json")}
-        (tmp / READY_MARKER).write_text(json.dumps(stats, indent=2))
-        try:
-            tmp.rename(final)
-        except OSError:
-            if not (final / READY_MARKER).is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(final)
+        return stats
+
+    return build_cached(cache, longcot_model_key(demo, data), build)
