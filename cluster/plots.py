@@ -135,7 +135,7 @@ def panel_heldout(ax: Axes, rows: list[dict], summary: dict) -> bool:
 
 def panel_length(ax: Axes, rows: list[dict], summary: dict) -> bool:
     ax.set_title("response length")
-    drawn = _lines(ax, rows, ["response/length_mean"], "tokens")
+    drawn = _lines(ax, rows, ["response/length_mean", "response/length_p50", "response/length_p99"], "tokens")
     x, y = series(rows, "response/truncated_frac")
     if x:
         twin = ax.twinx()

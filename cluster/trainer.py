@@ -6,6 +6,7 @@ rollout workers. The driver never asks a rollout worker for data: batches come o
 
 import json
 import logging
+import math
 import time
 from collections import Counter
 from pathlib import Path
@@ -59,6 +60,17 @@ def staleness_metrics(trajectories: list[Trajectory], version: int) -> dict[str,
         out[f"staleness/hist_{lag}"] = count / len(lags)
     out["staleness/mixed_version_frac"] = sum(t.min_version != t.max_version for t in trajectories) / len(lags)
     return out
+
+
+def length_metrics(lengths: list[int]) -> dict[str, float]:
+    """Median, 99th percentile (nearest rank) and longest response of the trained batch: a long tail shows in p99
+    and max long before it moves the mean."""
+    ordered = sorted(lengths)
+
+    def rank(q: float) -> float:
+        return float(ordered[max(0, math.ceil(q * len(ordered)) - 1)])
+
+    return {"response/length_p50": rank(0.5), "response/length_p99": rank(0.99), "response/length_max": rank(1.0)}
 
 
 class Trainer:
@@ -213,6 +225,7 @@ class Trainer:
             "reward/accuracy": sum(correct) / len(correct),
             "reward/error_frac": sum(bool(t.result and t.result.error) for t in trajectories) / len(trajectories),
             "response/length_mean": num_tokens / len(trajectories),
+            **length_metrics(batch.response_lengths.tolist()),
             "response/truncated_frac": float(batch.truncated.float().mean()),
             "time/learner_s": learner_s,
             "time/publish_s": publish_s,

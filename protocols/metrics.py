@@ -23,7 +23,7 @@ SECTIONS: dict[str, str] = {
     "reference_worker/": "the reference workers' own counters since the last logged step: groups, samples, "
                          "micro_batches (forwards), seconds_per_group, tokens_per_s (prompt + response tokens per "
                          "second of scoring)",
-    "response/": "length_mean (tokens), truncated_frac",
+    "response/": "length_mean, length_p50, length_p99, length_max (tokens, of the trained batch), truncated_frac",
     "staleness/": "mean, max, hist_<lag> (share of samples lag versions old), mixed_version_frac",
     "tools/": "tool-using rollouts (only with tools enabled), over the trained batch: turns_per_sample, "
               "calls_per_sample, call_rate (share of samples with a call), errors_<kind> (calls: unknown_tool, "

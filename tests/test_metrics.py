@@ -145,3 +145,14 @@ def test_short_run_logs_reward_worker_counters_and_eval_sets(ray_cluster, tmp_pa
     assert "eval/accuracy" in mid
     lines = (tmp_path / "eval" / "demo_step000002.jsonl").read_text().splitlines()
     assert len(lines) == 16 * (1 + 2)
+
+
+def test_length_metrics_nearest_rank():
+    from cluster.trainer import length_metrics
+
+    # 100 lengths 1..100: p50 is the 50th smallest (50), p99 the 99th (99), max 100.
+    assert length_metrics(list(range(100, 0, -1))) == {
+        "response/length_p50": 50.0, "response/length_p99": 99.0, "response/length_max": 100.0}
+    # 3 lengths: p50 = rank ceil(1.5) = 2nd (7); p99 = rank ceil(2.97) = 3rd (900).
+    assert length_metrics([900, 5, 7]) == {
+        "response/length_p50": 7.0, "response/length_p99": 900.0, "response/length_max": 900.0}
