@@ -18,7 +18,7 @@ from typing import Any
 import ray
 
 from actors.reward_worker import results_on_workers, score_on_workers
-from cluster.model_folder import fit_lengths_to_model
+from cluster.model_folder import fit_lengths_to_model, resolve_model_path
 from protocols.config import RunConfig
 from protocols.data import DataConfig
 from protocols.metrics import eval_metrics
@@ -30,6 +30,7 @@ from rewards.pass_at_k import mean_pass_at_k, powers_of_two_up_to
 log = logging.getLogger(__name__)
 
 BUILTIN_SETS = {"demo": "the arithmetic demo task's held-out problems (verifier arithmetic)",
+                "longcot": "the long chain-of-thought demo task's held-out problems (verifier longcot)",
                 "gsm8k": "the GSM8K test file, ../shared/data/gsm8k/test.jsonl or $RELAYRL_SHARED_DIR "
                          "(verifier gsm8k)"}
 FIELD_KEYS = {"prompt": "prompt_field", "answer": "answer_field", "tests": "tests_field"}
@@ -67,6 +68,8 @@ def eval_data_config(name_or_file: str, base: DataConfig, fields: dict[str, str]
     through `fields` (prompt_field/answer_field/tests_field), or the base config's mapping."""
     if name_or_file == "demo":
         return "demo", base.model_copy(update={"format": "arithmetic"}), "arithmetic"
+    if name_or_file == "longcot":
+        return "longcot", base.model_copy(update={"format": "longcot"}), "longcot"
     if name_or_file == "gsm8k":
         path = gsm8k_test_file()
         if not path.is_file():
@@ -252,10 +255,8 @@ def run_eval(cfg: RunConfig, model: str, data: str, samples: int, fields: dict[s
     from cluster.placement import create_placement
     from cluster.ray_setup import reward_options, rollout_options, start_ray
 
-    if model == "demo":  # the cached warm-started demo model (built on first use), as `relayrl train` uses it
-        from cluster.demo_model import prepare_demo_model
-
-        model = prepare_demo_model(demo=cfg.model.demo, data=cfg.data, tools=cfg.tools)
+    if model == "demo":  # the config's cached warm-started demo model (built on first use), as `relayrl train` uses
+        model = resolve_model_path(cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": ""})}))
     check_model_folder(model)
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": model})})
     cfg = fit_lengths_to_model(cfg, model)
