@@ -23,6 +23,7 @@ from typing import Callable
 
 from actors.controller_messages import SyncReply, SyncRequest, WatchReply
 from actors.leases import LeaseBook
+from actors.length_history import LengthHistory
 from actors.prompt_cursor import PromptCursor
 from actors.replay_queue import ReplayQueue
 from actors.scoring_lists import ScoringLists
@@ -53,7 +54,7 @@ class RolloutController(LeaseBook, ScoringLists):
 
     def __init__(self, prompts: list[Prompt], prompts_per_step: int, max_staleness: int,
                  drop_zero_variance: bool, seed: int, num_workers: int = 1,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, length_aware: bool = False) -> None:
         LeaseBook.__init__(self)
         ScoringLists.__init__(self)
         self.cursor = PromptCursor(prompts, seed)
@@ -76,6 +77,8 @@ class RolloutController(LeaseBook, ScoringLists):
         self._waiting: dict[int, tuple[int, int]] = {}
         self._woken: set[int] = set()
         self._dropped_seen = 0
+        self.lengths: LengthHistory | None = LengthHistory() if length_aware else None
+        """With rollout.length_aware_dispatch: each prompt's expected response length, sent with its grants."""
 
     # --- rollout workers -------------------------------------------------------------------------------------
     def budget(self, worker_version: int) -> int:
@@ -127,6 +130,8 @@ class RolloutController(LeaseBook, ScoringLists):
         self._newer_lists(request, reply)
         if not reply.stop and reply.weights is None and request.want > 0:
             reply.granted = self._admit(request.worker_id, request.version, request.want, request.in_flight)
+            if self.lengths is not None:
+                reply.expected_lengths = {g: self.lengths.expected(p) for g, p in reply.granted}
             if len(reply.granted) < request.want and self.budget(request.version) == 0:
                 reply.starved = True
                 self._waiting[request.worker_id] = (request.version, request.want - len(reply.granted))
@@ -189,6 +194,8 @@ class RolloutController(LeaseBook, ScoringLists):
     def _put(self, group: TrajectoryGroup) -> bool:
         if not self._end_lease(group.group_id):
             return False
+        if self.lengths is not None:  # stale or not, its lengths say how long the prompt runs
+            self.lengths.record(group)
         queued = self.queue.put(group)
         if queued:
             self._queue_grew()

@@ -49,6 +49,9 @@ class SyncReply:
     waiting, and its `watch` returns when budget is freed (a drop) or new weights are published."""
     max_in_flight: int | None = None
     """At max_staleness 0, the worker's fair share of groups in flight: it asks again only below it."""
+    expected_lengths: dict[str, float] = field(default_factory=dict)
+    """With rollout.length_aware_dispatch: group_id -> expected response tokens of each granted group
+    (actors/length_history.py), so the worker's engine starts the long ones first; empty otherwise."""
     rescore: list[str] = field(default_factory=list)
     """Groups of this call whose reward worker died before scoring them: send them to a live one (their leases
     stay with the worker)."""

@@ -9,6 +9,7 @@ hook may also keep a sample (`PENDING`) while its tool runs: the sample's reques
 serves the other samples, and the hook hands it back from `ready()` once the tool is done. The default finishes.
 """
 
+import heapq
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
@@ -139,12 +140,14 @@ class _GroupInFlight:
 class DecodeLoop:
     """The groups a worker's engine is generating. `on_request_end(sample, output)` returns `Continue`,
     `Finished` or (an `AsyncRequestEnd` hook only) `PENDING`; its `output` is the engine's `RequestOutput` of the
-    request that ended."""
+    request that ended. With `max_num_seqs` (rollout.length_aware_dispatch) the loop holds started groups and
+    hands the engine the one with the longest expected length, whole, whenever the engine has fewer requests than
+    max_num_seqs, so the engine's own queue never holds more than one group."""
 
     def __init__(self, engine: Engine, sampling_params: SamplingParamsFor, samples_per_prompt: int,
                  max_response_tokens: int, worker_id: int,
-                 on_request_end: Callable[[SampleInFlight, Any], RequestEnd] | AsyncRequestEnd = finish_every_request
-                 ) -> None:
+                 on_request_end: Callable[[SampleInFlight, Any], RequestEnd] | AsyncRequestEnd = finish_every_request,
+                 max_num_seqs: int | None = None) -> None:
         self.engine = engine
         self.sampling_params = sampling_params
         self.samples_per_prompt = samples_per_prompt
@@ -158,12 +161,28 @@ class DecodeLoop:
         """(group id, sample index) -> a sample the hook keeps (`PENDING`): it holds no engine slot."""
         self.decoded = False
         """Whether the last `step` ran the engine (False: it only collected kept samples, or waited for them)."""
+        self.max_num_seqs = max_num_seqs
+        self.held: list[tuple[float, int, _GroupInFlight]] = []
+        """Length-aware dispatch: heap of (minus expected length, arrival, group) not yet in the engine."""
+        self.arrivals = 0
 
-    def start_group(self, group_id: str, prompt: Prompt) -> None:
+    def start_group(self, group_id: str, prompt: Prompt, expected_length: float = 0.0) -> None:
         group = _GroupInFlight(group_id, prompt, self.samples_per_prompt, self.max_response_tokens)
         self.active[group_id] = group
+        if self.max_num_seqs is None:
+            self._add_group(group)
+        else:
+            self.arrivals += 1  # ties keep arrival order
+            heapq.heappush(self.held, (-expected_length, self.arrivals, group))
+
+    def _add_group(self, group: _GroupInFlight) -> None:
         for sample in group.samples:
             self._add_request(sample, sample.prefix_ids, self.max_response_tokens)
+
+    def _dispatch(self) -> None:
+        """Length-aware dispatch: the longest-expected held groups while the engine has free slots."""
+        while self.held and len(self.requests) < self.max_num_seqs:
+            self._add_group(heapq.heappop(self.held)[2])
 
     def _add_request(self, sample: SampleInFlight, prefix_ids: list[int], max_tokens: int) -> None:
         # the first request keeps the id (and, in the worker, the seed) of a single-turn sample
@@ -175,12 +194,14 @@ class DecodeLoop:
 
     def has_unfinished(self) -> bool:
         """Requests in the engine, or samples the hook keeps (their tools still run)."""
-        return self.engine.has_unfinished_requests() or bool(self.waiting)
+        return self.engine.has_unfinished_requests() or bool(self.waiting) or bool(self.held)
 
     def step(self, version: int) -> list[TrajectoryGroup]:
         """Continue the kept samples the hook has ready, then one engine step; tokens it sampled carry `version`.
         Returns the groups it finished."""
         finished = []
+        if self.held:
+            self._dispatch()
         ready = self.on_request_end.ready() if self.waiting else []
         for sample, decision in ready:
             if self.waiting.get((sample.group_id, sample.index)) is not sample:
@@ -263,4 +284,5 @@ class DecodeLoop:
             self.waiting.clear()
         group_ids = list(self.active)
         self.active.clear()
+        self.held.clear()
         return group_ids

@@ -103,7 +103,8 @@ class RolloutWorker:
         """With tools (cfg.tools): the agent loop, which runs a sample's tool calls beside the engine."""
         self.decoding = DecodeLoop(self.probing or self.engine, self._sampling_params, cfg.rollout.samples_per_prompt,
                                    cfg.rollout.max_response_tokens, worker_id,
-                                   on_request_end=self.agent or finish_every_request)
+                                   on_request_end=self.agent or finish_every_request,
+                                   max_num_seqs=cfg.rollout.max_num_seqs if cfg.rollout.length_aware_dispatch else None)
         """The groups in the engine; with tools, a sample continues after each tool call (`self.agent`)."""
         self.router = ScoreRouter(reward_workers or [], reference_workers or [], critic_workers or [],
                                   cfg.fault.max_rescore_attempts, cfg.fault.batch_timeout_s)
@@ -190,7 +191,7 @@ class RolloutWorker:
         for reason, group_ids in self.router.on_reply(request, reply).items():
             self.policy.on_dropped(reason, group_ids)
         for group_id, prompt in self.policy.on_reply(reply):
-            self.decoding.start_group(group_id, prompt)
+            self.decoding.start_group(group_id, prompt, reply.expected_lengths.get(group_id, 0.0))
 
     def run(self) -> dict:
         """Generate until the controller says stop. Returns this worker's counters. The decisions (when to call

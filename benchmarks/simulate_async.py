@@ -4,8 +4,11 @@ replay queue and staleness rules run with timed stand-ins for 64+ vLLM engines a
 learner's idle share and the speedup over the synchronous baseline of the same scenario, all from one run.
 `--multi-turn` runs the tool-using rows instead (`cluster/sim_tools.py`): tool calls of 0 to 1000 decode steps,
 each against the ideal bound, the same run with tools that answer at once, and its synchronous baseline.
+`--length-aware` runs each long-tail row with length-aware dispatch off and on, same seed (rollout.
+length_aware_dispatch; cluster/sim_dispatch.py, actors/length_history.py).
 
     python benchmarks/simulate_async.py [--engines 64] [--steps 40] [--warmup 8] [--seed 0] [--multi-turn]
+                                        [--length-aware]
 """
 
 import argparse
@@ -77,6 +80,46 @@ def run_multi_turn(base: SimulatorConfig) -> None:
               f"| {result.drops.get('stale', 0)} | {wall:.1f} |", flush=True)
 
 
+def length_aware_scenarios(base: SimulatorConfig) -> list[tuple[str, SimulatorConfig]]:
+    """(name, config with length-aware dispatch off) rows. The prompt set is 8 batches, so a prompt comes back
+    every 8 steps and the controller's history has its earlier lengths from the second pass on."""
+    base = base.model_copy(update={"num_prompts": 8 * base.prompts_per_step})
+    prompt_set = balanced(base.model_copy(update={"prompt_length_share": 0.8}))
+    step = decode_step_seconds(base)
+    return [
+        ("balanced long-tail (headline): lengths independent of the prompt", balanced(base)),
+        ("lengths 80% the prompt's (as in the long-CoT demo)", prompt_set),
+        ("lengths 80% the prompt's, length hints in the data", prompt_set.model_copy(update={"length_hints": True})),
+        ("lengths 80% the prompt's, k=4 (below the rule)", prompt_set.model_copy(update={"max_staleness": 4})),
+        ("tool calls of 10 decode steps (lengths independent)",
+         balanced(base.model_copy(update={"tools": ToolScenario(seconds_per_call=10 * step)}))),
+    ]
+
+
+def run_length_aware(base: SimulatorConfig) -> None:
+    """Each row off and on with the same seed: `worker` holds the granted groups and hands the engine the
+    longest-expected whole group when its queue is empty; `engine (study)` gives every request its group's priority
+    in vLLM's own queue instead."""
+    header = ("| scenario | k | dispatch | throughput tok/s | of ideal | learner idle | max stale | stale drops "
+              "(groups) | x off | sim wall s |")
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    for name, cfg in length_aware_scenarios(base):
+        variants = [("off", cfg), ("length-aware", cfg.model_copy(update={"length_aware": True}))]
+        if cfg.tools is None and cfg.prompt_length_share and not cfg.length_hints and cfg.max_staleness == 5:
+            variants.append(("engine priority (study)", cfg.model_copy(
+                update={"length_aware": True, "length_dispatch": "engine"})))
+        off = None
+        for dispatch, variant in variants:
+            start = time.perf_counter()
+            result = simulate(variant)
+            off = off or result
+            print(f"| {name} | {variant.max_staleness} | {dispatch} | {result.throughput:,.0f} "
+                  f"| {result.fraction_of_ideal:.3f} | {result.learner_idle_frac:.3f} "
+                  f"| {result.max_staleness_observed} | {result.drops.get('stale', 0)} "
+                  f"| {result.throughput / off.throughput:.3f} | {time.perf_counter() - start:.1f} |", flush=True)
+
+
 def fmt_drops(result: SimulationResult) -> str:
     # groups aborted when the run stops are an end-of-run artefact, not a loss of the steady state
     drops = {k: v for k, v in result.drops.items() if v and k != "aborted_at_stop"}
@@ -90,6 +133,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--multi-turn", action="store_true", help="tool-using rows (cluster/sim_tools.py)")
+    parser.add_argument("--length-aware", action="store_true", help="length-aware dispatch off and on, same seed")
     args = parser.parse_args()
     base = balanced(SimulatorConfig(num_engines=args.engines, prompts_per_step=8 * args.engines, steps=args.steps,
                                     warmup_steps=args.warmup, seed=args.seed))
@@ -103,6 +147,9 @@ def main() -> None:
           f" * tokens s; steps {args.steps} (first {args.warmup} not measured)\n")
     if args.multi_turn:
         run_multi_turn(base)
+        return
+    if args.length_aware:
+        run_length_aware(base)
         return
     header = ("| scenario | engines | k | partial | throughput tok/s | gen cap | train cap | ideal | of ideal | "
               "gen util | learner idle | x sync | max stale | drops (groups) | sim wall s |")

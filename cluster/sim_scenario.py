@@ -83,6 +83,26 @@ class SimulatorConfig(BaseModel):
     num_prompts: int = Field(4096, ge=1)
     """Training prompts, each with a success rate drawn uniformly from [0, 1] for the Bernoulli rewards."""
 
+    prompt_length_share: float = Field(0.0, ge=0, le=1)
+    """Share of the length spread that belongs to the prompt (as in the long-CoT demo, where `b` in `a*b` sets
+    the length): the prompt fixes that share of the log-length variance and of the chance to run to the max
+    (`prompt_lengths`). 0: every sample's length is independent of its prompt; 1: all samples of a prompt have
+    the same length, and a prompt runs to the max always or never."""
+
+    length_aware: bool = False
+    """rollout.length_aware_dispatch: each worker keeps its granted groups and hands its engine the one expected
+    longest, whole, whenever the engine's queue is empty (cluster/sim_dispatch.py); the expectation is the
+    controller's `LengthHistory` (actors/length_history.py). False: every group's requests join the engine's
+    first-come-first-served queue at once."""
+
+    length_dispatch: Literal["worker", "engine"] = "worker"
+    """With length_aware, study only: `engine` gives each request its group's priority in vLLM's `priority`
+    scheduling instead of holding groups at the worker (`PriorityWaiting`)."""
+
+    length_hints: bool = False
+    """Prompts carry a length hint (metadata `length_hint`: the prompt's own expected length, as a data set may
+    compute it from the prompt's text); otherwise the controller predicts from the prompt's earlier samples."""
+
     seed: int = 0
     """Seeds prompt success rates, response lengths and rewards; the same seed gives the same run."""
 
@@ -105,6 +125,9 @@ class SimulatorConfig(BaseModel):
         if self.warmup_steps >= self.steps:
             raise ValueError(f"warmup_steps={self.warmup_steps} leaves no measured step of steps={self.steps}; "
                              f"use warmup_steps < steps")
+        if self.tools is not None and self.prompt_length_share > 0:
+            raise ValueError(f"prompt_length_share={self.prompt_length_share} is not modelled with tools (their "
+                             "capacity draws lengths without prompts); use 0 with tools")
         return self
 
     def synchronous(self, even_split: bool = True) -> "SimulatorConfig":
@@ -117,14 +140,43 @@ class SimulatorConfig(BaseModel):
         return self.model_copy(update=update)
 
 
-LENGTH_FIELDS = ("median_response_tokens", "length_sigma", "max_length_fraction", "max_response_tokens", "seed")
+LENGTH_FIELDS = ("median_response_tokens", "length_sigma", "max_length_fraction", "max_response_tokens", "seed",
+                 "prompt_length_share", "num_prompts")
 
 
-def response_length(rng: random.Random, cfg: SimulatorConfig) -> int:
-    if rng.random() < cfg.max_length_fraction:
+def response_length(rng: random.Random, cfg: SimulatorConfig, prompt: tuple[float, float] | None = None) -> int:
+    """One sample's response tokens; `prompt` is its prompt's (log-length offset, chance at max) from
+    `prompt_lengths`, None for a prompt without a share (the draws are then as before the prompt share)."""
+    offset, at_max = prompt if prompt is not None else (0.0, cfg.max_length_fraction)
+    if rng.random() < at_max:
         return cfg.max_response_tokens
-    length = round(cfg.median_response_tokens * math.exp(rng.gauss(0.0, cfg.length_sigma)))
+    sigma = cfg.length_sigma * math.sqrt(1.0 - cfg.prompt_length_share)
+    length = round(cfg.median_response_tokens * math.exp(offset + rng.gauss(0.0, sigma)))
     return max(1, min(cfg.max_response_tokens, length))
+
+
+@functools.lru_cache(maxsize=16)
+def prompt_lengths(cfg: SimulatorConfig) -> tuple[tuple[float, float], ...]:
+    """Per prompt, (log-length offset, chance to run to max_response_tokens). With share s the offset is
+    N(0, s * sigma^2) (the samples add N(0, (1 - s) * sigma^2), so the spread over all samples is unchanged), and
+    the chance at max is (1 - s) * f + s * [the prompt is in the longest f of prompts], so its mean stays f."""
+    rng = random.Random(f"{cfg.seed}/prompts/lengths")
+    s, f = cfg.prompt_length_share, cfg.max_length_fraction
+    out = []
+    for _ in range(cfg.num_prompts):
+        z = rng.gauss(0.0, 1.0)
+        top = 0.5 * (1 + math.erf(z / math.sqrt(2))) > 1 - f
+        out.append((cfg.length_sigma * math.sqrt(s) * z, (1 - s) * f + s * float(top)))
+    return tuple(out)
+
+
+def length_hint(cfg: SimulatorConfig, prompt: tuple[float, float]) -> float:
+    """A prompt's expected response tokens (its `length_hint`): the chance at max times the max, plus the rest
+    times the mean of its lognormal part (capped lengths ignored)."""
+    offset, at_max = prompt
+    rest = cfg.length_sigma ** 2 * (1.0 - cfg.prompt_length_share) / 2
+    mean = cfg.median_response_tokens * math.exp(offset + rest)
+    return at_max * cfg.max_response_tokens + (1 - at_max) * min(mean, cfg.max_response_tokens)
 
 
 def success_rates(cfg: SimulatorConfig) -> list[float]:
@@ -135,7 +187,10 @@ def success_rates(cfg: SimulatorConfig) -> list[float]:
 @functools.lru_cache(maxsize=64)
 def _mean_length(cfg: SimulatorConfig) -> float:
     rng = random.Random(f"{cfg.seed}/capacity")
-    return sum(response_length(rng, cfg) for _ in range(100_000)) / 100_000
+    if cfg.prompt_length_share == 0:
+        return sum(response_length(rng, cfg) for _ in range(100_000)) / 100_000
+    prompts = prompt_lengths(cfg)  # the run's own prompts, each equally often
+    return sum(response_length(rng, cfg, prompts[rng.randrange(len(prompts))]) for _ in range(100_000)) / 100_000
 
 
 @functools.lru_cache(maxsize=64)

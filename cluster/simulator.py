@@ -19,7 +19,9 @@ rewards (Bernoulli per sample at a per-prompt success rate), reward workers (ins
 pause) and the learner step (c + d * tokens). The driver's long poll for a batch (`wait_batch`) and the worker's
 3 ms idle sleep are replaced by reacting at once to the events that can change their answer. With
 `SimulatorConfig.tools`, samples are multi-turn (cluster/sim_tools.py): at a tool call a sample leaves its slot
-while the tool runs and continues as a new request; tool tokens are in the response but never decoded.
+while the tool runs and continues as a new request; tool tokens are in the response but never decoded. With
+`SimulatorConfig.length_aware` each worker holds its groups and hands its engine the longest-expected one when the
+engine's queue is empty (cluster/sim_dispatch.py), the expectation from the controller's `LengthHistory`.
 """
 
 import gc
@@ -37,9 +39,12 @@ from cluster.sim_scenario import (  # noqa: F401  (re-exported: the benchmarks a
     SimulatorConfig,
     balanced,
     capacities,
+    length_hint,
+    prompt_lengths,
     response_length,
     success_rates,
 )
+from cluster.sim_dispatch import GroupDispatch, PriorityWaiting
 from cluster.sim_tools import EngineTools, ToolTurns
 from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup, WeightVersion
 
@@ -49,18 +54,22 @@ LEGACY_STATS_INTERVAL_S = 1.0
 
 
 class _Sequence:
-    __slots__ = ("group", "index", "length", "start_step", "response", "plan", "turn", "versions", "calls")
+    __slots__ = ("group", "index", "length", "start_step", "response", "plan", "turn", "versions", "calls",
+                 "priority")
 
-    def __init__(self, group: "_Group", index: int, length: int) -> None:
+    def __init__(self, group: "_Group", index: int, length: int, priority: float = 0.0) -> None:
         self.group, self.index, self.length, self.start_step = group, index, length, -1
+        self.priority = priority
+        """Under length-aware dispatch, minus its group's expected length: vLLM admits the lowest first."""
         self.response, self.plan = length, None
         """Response tokens (tool tokens included); a multi-turn sample's plan (`ToolTurns._plan_group`)."""
 
 
 class _Group:
-    def __init__(self, group_id: str, prompt: Prompt, lengths: list[int], rewards: list[float]) -> None:
+    def __init__(self, group_id: str, prompt: Prompt, lengths: list[int], rewards: list[float],
+                 priority: float = 0.0) -> None:
         self.group_id, self.prompt, self.rewards = group_id, prompt, rewards
-        self.sequences = [_Sequence(self, i, n) for i, n in enumerate(lengths)]
+        self.sequences = [_Sequence(self, i, n, priority) for i, n in enumerate(lengths)]
         self.trajectories: list[Trajectory | None] = [None] * len(lengths)
         self.unfinished = len(lengths)
 
@@ -95,11 +104,16 @@ class Simulation(ToolTurns):
 
     def __init__(self, cfg: SimulatorConfig) -> None:
         self.cfg = cfg
+        self.prompt_lengths = prompt_lengths(cfg) if cfg.prompt_length_share > 0 else None
         prompts = [Prompt(prompt_id=f"sim/{i}", prompt_token_ids=[1], metadata={"success_rate": p})
                    for i, p in enumerate(success_rates(cfg))]
+        if cfg.length_hints:
+            for i, prompt in enumerate(prompts):
+                lengths = self.prompt_lengths[i] if self.prompt_lengths else (0.0, cfg.max_length_fraction)
+                prompt.metadata["length_hint"] = length_hint(cfg, lengths)
         self.controller = RolloutController(prompts, cfg.prompts_per_step, cfg.max_staleness,
                                             cfg.drop_zero_variance, cfg.seed, num_workers=cfg.num_engines,
-                                            clock=lambda: self.now)
+                                            clock=lambda: self.now, length_aware=cfg.length_aware)
         self.legacy = cfg.control == "legacy"
         settings = PolicySettings(prompts_in_flight=cfg.prompts_in_flight,
                                   min_groups_per_request=cfg.min_groups_per_request,
@@ -107,6 +121,9 @@ class Simulation(ToolTurns):
                                   partial_rollouts=cfg.partial_rollouts and cfg.max_staleness > 0,
                                   legacy=self.legacy)
         self.engines = [_Engine(i, WorkerPolicy(settings, i)) for i in range(cfg.num_engines)]
+        if cfg.length_aware:
+            for e in self.engines:
+                e.waiting = PriorityWaiting() if cfg.length_dispatch == "engine" else GroupDispatch()
         self.calls: Counter[str] = Counter()
         self.finished = 0
         self.deciding: _Engine | None = None
@@ -228,7 +245,7 @@ class Simulation(ToolTurns):
             self.calls["sync"] += 1
         self._received(request.scored, now)
         for group_id, prompt in e.policy.on_reply(reply):
-            self._start_group(e, group_id, prompt)
+            self._start_group(e, group_id, prompt, -reply.expected_lengths.get(group_id, 0.0))
         self._deliver_news(now)
 
     def _poke(self, e: _Engine, now: float) -> None:
@@ -271,13 +288,14 @@ class Simulation(ToolTurns):
         e.version_changes.append((e.steps, version))
         self._decide(e, now)
 
-    def _start_group(self, e: _Engine, group_id: str, prompt: Prompt) -> None:
+    def _start_group(self, e: _Engine, group_id: str, prompt: Prompt, priority: float = 0.0) -> None:
         rng = random.Random(f"{self.cfg.seed}/{group_id}")
         g = self.cfg.samples_per_prompt
-        lengths = [response_length(rng, self.cfg) for _ in range(g)]
+        lengths_of = self.prompt_lengths[int(prompt.prompt_id[4:])] if self.prompt_lengths else None
+        lengths = [response_length(rng, self.cfg, lengths_of) for _ in range(g)]
         rate = prompt.metadata["success_rate"]
         rewards = [1.0 if rng.random() < rate else 0.0 for _ in range(g)]
-        group = _Group(group_id, prompt, lengths, rewards)
+        group = _Group(group_id, prompt, lengths, rewards, priority)
         if self.cfg.tools is not None:
             self._plan_group(group)
         e.active[group_id] = group

@@ -120,7 +120,8 @@ class Trainer:
         self.controller = ray.remote(ControllerActor).options(
             num_cpus=0, max_concurrency=max(1000, 2 * cfg.rollout.num_workers + 64)).remote(
             self.train_prompts, cfg.learner.prompts_per_step, cfg.train.max_staleness,
-            cfg.algorithm.dynamic_sampling, cfg.train.seed, cfg.rollout.num_workers)
+            cfg.algorithm.dynamic_sampling, cfg.train.seed, cfg.rollout.num_workers,
+            length_aware=cfg.rollout.length_aware_dispatch)
         self.reward_workers = [ray.remote(RewardWorker).options(**reward_options(cfg, self.placement, i)).remote(
                                    cfg.reward, i)
                                for i in range(cfg.reward.num_workers)]
