@@ -97,9 +97,10 @@ def length_aware_scenarios(base: SimulatorConfig) -> list[tuple[str, SimulatorCo
 
 
 def run_length_aware(base: SimulatorConfig) -> None:
-    """Each row off and on with the same seed: `worker` holds the granted groups and hands the engine the
-    longest-expected whole group when its queue is empty; `engine (study)` gives every request its group's priority
-    in vLLM's own queue instead."""
+    """Each row off and on with the same seed: `length-aware` holds the granted groups at the worker and hands the
+    engine the longest-expected whole group when its queue is empty; `engine priority (study)` gives every request
+    its group's priority in vLLM's own queue instead; `held, arrival order (study)` holds the groups but hands them
+    over in arrival order."""
     header = ("| scenario | k | dispatch | throughput tok/s | of ideal | learner idle | max stale | stale drops "
               "(groups) | x off | sim wall s |")
     print(header)
@@ -109,6 +110,9 @@ def run_length_aware(base: SimulatorConfig) -> None:
         if cfg.tools is None and cfg.prompt_length_share and not cfg.length_hints and cfg.max_staleness == 5:
             variants.append(("engine priority (study)", cfg.model_copy(
                 update={"length_aware": True, "length_dispatch": "engine"})))
+        if cfg.tools is not None or cfg.max_staleness < 5:
+            variants.append(("held, arrival order (study)", cfg.model_copy(
+                update={"length_aware": True, "length_dispatch": "hold"})))
         off = None
         for dispatch, variant in variants:
             start = time.perf_counter()

@@ -95,9 +95,10 @@ class SimulatorConfig(BaseModel):
     controller's `LengthHistory` (actors/length_history.py). False: every group's requests join the engine's
     first-come-first-served queue at once."""
 
-    length_dispatch: Literal["worker", "engine"] = "worker"
+    length_dispatch: Literal["worker", "engine", "hold"] = "worker"
     """With length_aware, study only: `engine` gives each request its group's priority in vLLM's `priority`
-    scheduling instead of holding groups at the worker (`PriorityWaiting`)."""
+    scheduling instead of holding groups at the worker (`PriorityWaiting`); `hold` holds them at the worker but
+    hands them over in arrival order (no expectation), to separate the hold from the length order."""
 
     length_hints: bool = False
     """Prompts carry a length hint (metadata `length_hint`: the prompt's own expected length, as a data set may

@@ -113,7 +113,8 @@ class Simulation(ToolTurns):
                 prompt.metadata["length_hint"] = length_hint(cfg, lengths)
         self.controller = RolloutController(prompts, cfg.prompts_per_step, cfg.max_staleness,
                                             cfg.drop_zero_variance, cfg.seed, num_workers=cfg.num_engines,
-                                            clock=lambda: self.now, length_aware=cfg.length_aware)
+                                            clock=lambda: self.now,
+                                            length_aware=cfg.length_aware and cfg.length_dispatch != "hold")
         self.legacy = cfg.control == "legacy"
         settings = PolicySettings(prompts_in_flight=cfg.prompts_in_flight,
                                   min_groups_per_request=cfg.min_groups_per_request,

@@ -124,3 +124,14 @@ def test_simulated_length_aware_dispatch_trains_faster_with_tool_calls():
 def test_length_aware_dispatch_is_off_by_default_and_a_command_line_switch():
     assert RolloutConfig().length_aware_dispatch is False
     assert RolloutConfig(length_aware_dispatch=True).length_aware_dispatch is True
+
+
+def test_simulated_hold_in_arrival_order_trains_exactly_what_the_engine_queue_does():
+    # single-turn: holding groups at the worker and handing them over in arrival order starts every sample at the
+    # same step as the engine's first-come-first-served queue, so the runs are identical
+    cfg = SimulatorConfig(num_engines=4, max_num_seqs=8, prompts_in_flight=8, samples_per_prompt=4,
+                          prompts_per_step=16, steps=6, warmup_steps=2, median_response_tokens=40,
+                          max_response_tokens=200, token_chunk=8, num_prompts=64, max_staleness=2)
+    off = simulate(cfg)
+    held = simulate(cfg.model_copy(update={"length_aware": True, "length_dispatch": "hold"}))
+    assert held.trained_group_ids == off.trained_group_ids and held.throughput == off.throughput
