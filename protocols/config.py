@@ -122,9 +122,9 @@ class RolloutConfig(BaseModel):
     prompt's `length_hint` in its metadata if the data gives one, else the mean response length of its earlier
     groups in this run (actors/length_history.py); it never reads the answer. Only acts when prompts_in_flight *
     samples_per_prompt exceeds max_num_seqs. Off by default: in the simulator (docs/length_aware_dispatch.md) it
-    was no faster at the long-tail staleness rule's k (equal, or 2% slower when the prompt sets the length), and
-    faster below that k (0.90 of ideal against 0.83) and with tool calls, whose continuations then wait behind at
-    most one group (0.99 against 0.87). Switch it on for multi-turn tool runs."""
+    was no faster at the long-tail staleness rule's k (0.98 to 1.01 of the default's throughput), and faster below
+    that k (0.90 of ideal against 0.83) and with tool calls, whose continuations then wait behind at most one
+    group (0.99 against 0.87). Switch it on for multi-turn tool runs."""
 
     weight_sync_interval_steps: int = Field(1, ge=1)
     """Engine decode steps between checks for new weights. 1 loads a new version at the next safe point."""
