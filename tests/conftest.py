@@ -2,6 +2,7 @@
 order of a run: pure tests first, then the real-stack (slow) ones, those that replace the session's Ray last."""
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,16 @@ REPO = Path(__file__).resolve().parents[1]
 def shared_dir() -> Path:
     """`../shared` beside the repository (GSM8K lives there), or $RELAYRL_SHARED_DIR."""
     return Path(os.environ.get("RELAYRL_SHARED_DIR", REPO.parent / "shared"))
+
+
+def at_once(*calls: tuple) -> list:
+    """Results of `calls`, each `(function, *args)`, run in threads at the same time. For tests that start
+    several independent actor groups (DeepSpeed groups, engines): a start is mostly imports and waits, so the
+    starts overlap instead of adding up. Each call must clean up after itself; the first error is raised once
+    all have ended."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(function, *args) for function, *args in calls]
+        return [future.result() for future in futures]
 
 
 TEST_ENV_VARS = {"DS_ACCELERATOR": "cpu", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}

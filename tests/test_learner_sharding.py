@@ -6,6 +6,7 @@ import torch
 from learner.objective import count_normalizer
 from protocols.config import load_config
 from protocols.training_batch import TrainingBatch
+from tests.conftest import at_once
 
 pytestmark = pytest.mark.slow
 
@@ -40,9 +41,11 @@ def run_one_step(model_path: str, num_ranks: int, zero_stage: int) -> tuple[dict
 
 
 def test_two_ranks_match_one_rank_under_zero2_and_zero3(ray_cluster, tiny_models):
-    base_metrics, base_weights = run_one_step(tiny_models["untied"], 1, 2)
-    for stage in (2, 3):
-        metrics, weights = run_one_step(tiny_models["untied"], 2, stage)
+    # the three groups (5 rank processes, each group its own placement group and rendezvous) run at once
+    path = tiny_models["untied"]
+    (base_metrics, base_weights), *sharded = at_once(*[(run_one_step, path, ranks, stage)
+                                                        for ranks, stage in ((1, 2), (2, 2), (2, 3))])
+    for stage, (metrics, weights) in zip((2, 3), sharded):
         # the loss is summed over ranks as shares of the global loss, so it must match exactly up to fp error
         assert metrics["loss"] == pytest.approx(base_metrics["loss"], rel=1e-5, abs=1e-7), stage
         # Adam is blind to a constant gradient scale; the global gradient norm is not.
