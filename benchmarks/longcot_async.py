@@ -10,7 +10,9 @@ and response length at the start and end of training (mean, p50, p99, truncated 
     python benchmarks/longcot_async.py --steps 40 --out runs/bench_longcot [--modes async,sync] [key=value ...]
 
 Modes: `async` is the shipped config (max_staleness 9, partial rollouts); `sync` sets `train.max_staleness=0`
-(generate a batch with the current weights, train, load: no overlap). Extra `key=value` overrides go to every
+(generate a batch with the current weights, train, load: no overlap). `wide` keeps 32 groups in flight per worker
+(256 requests for 128 engine slots) and `length_aware` adds `rollout.length_aware_dispatch` to it (the prompts'
+`length_hint` first): compare those two. Extra `key=value` overrides go to every
 mode. Run it on an otherwise idle machine: the two jobs run one after the other, so load that changes between
 them moves the ratio.
 """
@@ -26,7 +28,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "deploy" / "configs" / "demo_longcot.yaml"
-MODES = {"async": [], "sync": ["train.max_staleness=0"]}
+MODES = {"async": [], "sync": ["train.max_staleness=0"],
+         # length-aware dispatch needs groups waiting for engine slots: twice the groups that fill the 128 slots
+         "wide": ["rollout.prompts_in_flight=32"],
+         "length_aware": ["rollout.prompts_in_flight=32", "rollout.length_aware_dispatch=true"]}
 """Overrides of each mode over the shipped long-CoT config."""
 
 
@@ -109,6 +114,9 @@ def table(results: dict[str, dict], edge_steps: int) -> str:
     if "sync" in results and "async" in results:
         text += (f"\n\nsync / async training wall time to {results['async']['steps']} steps: "
                  f"{results['sync']['train_s'] / results['async']['train_s']:.2f}x")
+    if "wide" in results and "length_aware" in results:
+        text += (f"\n\nwide / length_aware training wall time to {results['wide']['steps']} steps: "
+                 f"{results['wide']['train_s'] / results['length_aware']['train_s']:.2f}x")
     return text
 
 

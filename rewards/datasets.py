@@ -13,7 +13,7 @@ from protocols.data import DataConfig
 from protocols.trajectory import Prompt
 from rewards.answer_formats import gsm8k_gold_answer, last_boxed
 from rewards.arithmetic_data import arithmetic_problems, problem_answer, problem_text
-from rewards.longcot_data import longcot_problems
+from rewards.longcot_data import longcot_problems, solution_text
 from rewards.longcot_data import problem_text as longcot_text
 
 Split = Literal["train", "test"]
@@ -97,7 +97,9 @@ def load_longcot_prompts(
     cfg: DataConfig, split: Split, tokenizer: Any, seed: int = 0
 ) -> tuple[list[Prompt], dict[str, int]]:
     """The long-CoT demo task's prompts `a*b=` (rewards/longcot_data.py; `longcot_num_train` for train,
-    `num_eval_prompts` distinct ones for test), gold answer `str(a*b)`, `a` and `b` in the metadata."""
+    `num_eval_prompts` distinct ones for test), gold answer `str(a*b)`, `a` and `b` in the metadata, and
+    `length_hint`: the written-out solution's tokens (one per character) plus EOS, a function of the prompt's `a`
+    and `b` alone, which length-aware dispatch reads (rollout.length_aware_dispatch, actors/length_history.py)."""
     count = cfg.longcot_num_train if split == "train" else cfg.num_eval_prompts
     pairs = longcot_problems(split, count, long_fraction=cfg.longcot_long_fraction, max_b=cfg.longcot_max_b, seed=seed)
     prompts: list[Prompt] = []
@@ -109,7 +111,8 @@ def load_longcot_prompts(
             skipped += 1
             continue
         prompts.append(Prompt(prompt_id=f"longcot/{split}/{i}", prompt_token_ids=ids, prompt_text=text,
-                              answer=str(a * b), metadata={"a": a, "b": b}))
+                              answer=str(a * b),
+                              metadata={"a": a, "b": b, "length_hint": len(solution_text(a, b)) + 1}))
     return prompts, {"data/loaded": len(prompts), "data/skipped_too_long": skipped}
 
 

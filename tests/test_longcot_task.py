@@ -102,6 +102,9 @@ def test_loader_makes_longcot_prompts(tmp_path):
     a, b = p.metadata["a"], p.metadata["b"]
     assert p.prompt_text == f"{a}*{b}=" and p.answer == str(a * b)
     assert verify_longcot(p, solution_text(a, b)).correct
+    # Length-aware dispatch's hint: the written-out solution's characters + EOS, from a and b alone; for 12*3 that is
+    # "1:0+12=12;2:12+12=24;3:24+12=36;#36" (35 characters) + 1 = 36.
+    assert all(q.metadata["length_hint"] == len(solution_text(q.metadata["a"], q.metadata["b"])) + 1 for q in prompts)
 
 
 def test_micro_batches_keep_every_row_once_under_the_token_budget(tmp_path):
