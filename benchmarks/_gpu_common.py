@@ -69,6 +69,36 @@ def make_shard(n: int, prompt_len: int, resp_len: int, vocab: int, seed: int):
     return TrainingBatch.from_samples(prompts, responses, behavior, advantages=[[s] * resp_len for s in signs])
 
 
+# ------------------------------------------------------------------------------------------ model FLOPs, MFU
+
+# Dense bf16 peak of the data sheet (no sparsity), TFLOP/s: the denominator of model-FLOP utilisation.
+BF16_PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
+
+
+def matmul_params(shape: str, vocab: int) -> int:
+    """Weights that take part in a matrix product per token: q, k, v, o, the MLP's three, and the LM head (tied
+    to the embedding, but the head is still a product; the embedding lookup is not)."""
+    c = SHAPES[shape]
+    d, inter, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    kv = d // c["num_attention_heads"] * c["num_key_value_heads"]
+    per_layer = 2 * d * d + 2 * d * kv + 3 * d * inter
+    return layers * per_layer + d * vocab
+
+
+def train_flops(shape: str, vocab: int, seq_len: int) -> float:
+    """Model FLOPs of one training step on one sequence of `seq_len` tokens (PaLM, Chowdhery et al. 2022,
+    appendix B: 6N per token plus attention): 6 N T for the products (forward 2 N T, backward 4 N T), plus
+    attention's QK^T and AV, causal so half the T x T scores: forward 2 x 2 x d x T^2 / 2 per layer, x3 for
+    training = 6 L d T^2. Recomputation by checkpointing is not counted (model FLOPs, not hardware FLOPs)."""
+    c = SHAPES[shape]
+    return 6.0 * matmul_params(shape, vocab) * seq_len + 6.0 * c["num_hidden_layers"] * c["hidden_size"] * seq_len**2
+
+
+def bf16_peak_tflops(device_name: str) -> float:
+    """The data-sheet peak for a device name such as 'NVIDIA H200', or nan if the table lacks it."""
+    return next((v for k, v in BF16_PEAK_TFLOPS.items() if k in device_name), float("nan"))
+
+
 # --------------------------------------------------------------------------------------------- timing helpers
 
 

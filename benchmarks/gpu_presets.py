@@ -3,6 +3,7 @@ A script for a lent GPU machine (no Ray or vLLM needed there), not a test: CI ha
 
     python benchmarks/gpu_presets.py                 # every preset, then every deploy/configs/*.yaml
     python benchmarks/gpu_presets.py --shape 1.5b    # a bigger model
+    python benchmarks/gpu_presets.py --presets ppo --configs ''   # the critic's step alone
 
 Each row builds one DeepSpeed rank with `cluster.use_gpus=true` on a random-init Qwen2 of the given shape and
 runs what the driver runs for one batch: reference log-probs when the preset puts the KL in the reward, then
@@ -53,7 +54,7 @@ def run_one(cfg, folder: Path, port: int, resp_len: int, prompt_len: int, sample
         out.update(loss=metrics["loss"], grad_norm=metrics.get("grad_norm_max", float("nan")),
                    s_per_step=(time.perf_counter() - t0) / 2, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
         if cfg.critic.enabled:
-            out["value_loss"] = run_critic(cfg, folder, port, shard)
+            out.update(run_critic(cfg, folder, port, shard))
         if not all(map(lambda v: v == v, (out["loss"], out["grad_norm"]))):
             raise RuntimeError(f"non-finite loss or grad norm: {out}")
         return out
@@ -65,22 +66,30 @@ def run_one(cfg, folder: Path, port: int, resp_len: int, prompt_len: int, sample
         torch.cuda.reset_peak_memory_stats()
 
 
-def run_critic(cfg, folder: Path, port: int, shard) -> float:
+def run_critic(cfg, folder: Path, port: int, shard) -> dict:
     """ppo: the critic rank on the same GPU stamps values on the shard, then takes two updates toward returns of
-    1 on every token (stamped values as the old ones). Returns the second update's value loss."""
+    1 on every token (stamped values as the old ones). Returns the second update's value loss, the seconds of
+    the values pass and of one update, and the GPU's peak with both ranks on it."""
     from learner.critic_rank import CriticRank
 
     critic = CriticRank(cfg, rank=0, world_size=1, model_path=str(folder))
     critic.setup("127.0.0.1", port)  # joins the process group the learner rank already opened (world size 1)
     try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
         values, _ = critic.values(shard)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
         batch = shard.with_fields(returns=torch.ones_like(values), values=values)
         for _ in range(2):
             metrics = critic.train_step(batch, float(batch.loss_mask.sum()), num_micro_batches=max(
                 1, -(-batch.num_samples // cfg.critic.micro_batch_size)))
+        torch.cuda.synchronize()
         if not metrics["value_loss"] == metrics["value_loss"]:
             raise RuntimeError(f"non-finite critic value loss: {metrics}")
-        return metrics["value_loss"]
+        return {"value_loss": metrics["value_loss"], "critic_values_s": t1 - t0,
+                "critic_s_per_step": (time.perf_counter() - t1) / 2,
+                "peak_gib_both": torch.cuda.max_memory_allocated() / 2**30}
     finally:
         del critic
         free_memory()
@@ -92,6 +101,7 @@ def main() -> int:
     ap.add_argument("--resp-len", type=int, default=1024)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--presets", default=",".join(PRESETS + ["ppo"]), help="comma list of presets to run")
     ap.add_argument("--configs", default="deploy/configs", help="folder of shipped YAML configs ('' to skip)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -109,8 +119,11 @@ def main() -> int:
                   f"rollout.max_response_tokens={args.resp_len}", f"data.max_prompt_tokens={args.prompt_len}",
                   "rollout.samples_per_prompt=8", f"learner.prompts_per_step={max(1, args.samples // 8)}",
                   "learner.num_ranks=1", "learner.micro_batch_size=4", "learner.gradient_checkpointing=true"]
-        jobs = [(f"preset {p}", None, [f"algorithm.preset={p}"]) for p in PRESETS]
-        jobs.append(("preset ppo", None, ["algorithm.preset=ppo", "critic.num_workers=1", "critic.micro_batch_size=4"]))
+        chosen = args.presets.split(",")
+        jobs = [(f"preset {p}", None, [f"algorithm.preset={p}"]) for p in PRESETS if p in chosen]
+        if "ppo" in chosen:
+            jobs.append(("preset ppo", None,
+                         ["algorithm.preset=ppo", "critic.num_workers=1", "critic.micro_batch_size=4"]))
         if args.configs:
             jobs += [(f"config {c.name}", str(c), []) for c in sorted(Path(args.configs).glob("*.yaml"))]
         for name, path, extra in jobs:
@@ -122,7 +135,9 @@ def main() -> int:
                       f"loss {res['loss']:+.4f} grad_norm {res['grad_norm']:.3f} "
                       f"{res['s_per_step']:.2f} s/step peak {res['peak_gib']:.1f} GiB"
                       + (f" kl_reward {res['kl_reward_mean']:.4f}" if "kl_reward_mean" in res else "")
-                      + (f" value_loss {res['value_loss']:.4f}" if "value_loss" in res else ""), flush=True)
+                      + (f" value_loss {res['value_loss']:.4f} critic values {res['critic_values_s']:.2f} s, "
+                         f"{res['critic_s_per_step']:.2f} s/update, peak with both ranks {res['peak_gib_both']:.1f} GiB"
+                         if "value_loss" in res else ""), flush=True)
             except Exception as err:  # one failing row must not hide the others
                 failures += 1
                 print(f"FAIL  {name:28} {type(err).__name__}: {str(err).splitlines()[0][:200]}", flush=True)

@@ -4,6 +4,7 @@ the long-CoT path, same run, same data. A script, not a test; it needs CUDA (--a
     python benchmarks/long_cot_gpu.py                                   # 1.5B shape, 8k/32k/64k/128k responses
     python benchmarks/long_cot_gpu.py --lengths 8192,32768 --new-grad-ckpt on,off
     python benchmarks/long_cot_gpu.py --allow-cpu --shape tiny --vocab 4096 --lengths 256,512   # smoke test
+    python benchmarks/long_cot_gpu.py --lengths 32768 --paths new --set learner.fused_adamw=true --profile
 
 Rows (DeepSpeed ZeRO-2, bf16, prompt 256 tokens, preset dapo, --samples per step, one by default):
   old   learner.logits_chunk_tokens=0 (full (T, V) logits), sample-count micro-batches of 1, gradient
@@ -12,7 +13,10 @@ Rows (DeepSpeed ZeRO-2, bf16, prompt 256 tokens, preset dapo, --samples per step
         --per-micro-batch x (prompt + response), packing on, gradient checkpointing per --new-grad-ckpt (so "checkpointing only where
         memory needs it" can be read off the table: off where it fits, on beyond).
 A row that runs out of memory prints OOM and the run goes on. Peak GiB is torch.cuda.max_memory_allocated over
-the row's steps (warm-up included, so optimizer state is counted). Helpers come from benchmarks/_gpu_common.py.
+the row's steps (warm-up included, so optimizer state is counted). TFLOP/s counts model FLOPs (6N per token
+plus causal attention, no recomputation: benchmarks/_gpu_common.py train_flops) over prompt and response tokens;
+MFU divides it by the GPU's dense bf16 peak. --profile times one more step under torch.profiler and prints where
+the GPU's time went. Helpers come from benchmarks/_gpu_common.py.
 """
 
 from __future__ import annotations
@@ -29,7 +33,40 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._gpu_common import build_model_folder, free_memory, free_port, make_shard, sync  # noqa: E402
+from benchmarks._gpu_common import (  # noqa: E402
+    bf16_peak_tflops, build_model_folder, free_memory, free_port, make_shard, sync, train_flops)
+
+
+def profile_step(learner, shard, normalizer, top: int = 14) -> None:
+    """One more train_step under torch.profiler: the ops that took the most GPU time (self time, so a parent op
+    does not count its children), then the shares of the kinds of work that matter for long sequences."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        learner.train_step(shard, normalizer)
+        sync()
+    # The table lists each kernel twice, under the op that launched it and under its own name: keep the ops.
+    events = [e for e in prof.key_averages()
+              if e.self_device_time_total > 0 and e.device_type == torch.autograd.DeviceType.CPU]
+    total = sum(e.self_device_time_total for e in events)
+    if total == 0:
+        print("  profile: no GPU time recorded (a CPU run)")
+        return
+    print(f"  profile: {total / 1e6:.3f} s of GPU time in one step (kernels counted under their ops); top ops:")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
+        print(f"    {e.self_device_time_total / 1e3:9.1f} ms {100 * e.self_device_time_total / total:5.1f}%  "
+              f"x{e.count:<5d} {e.key[:90]}")
+    kinds = {"attention": ("flash", "efficient_attention", "cudnn", "fmha", "attention"),
+             "matmul": ("gemm", "mm", "matmul", "linear", "nvjet", "cutlass"),
+             "adam": ("adam", "foreach", "_fused"), "copies": ("copy", "cat", "fill", "to_copy")}
+    shares = {k: 0.0 for k in kinds}
+    for e in events:
+        name = e.key.lower()
+        kind = next((k for k, words in kinds.items() if any(w in name for w in words)), None)
+        if kind:
+            shares[kind] += e.self_device_time_total
+    print("  profile shares (by op name, approximate): "
+          + ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in shares.items()), flush=True)
 
 
 def run_row(folder: Path, path: str, resp_len: int, grad_ckpt: bool, args, port: int,
@@ -54,7 +91,7 @@ def run_row(folder: Path, path: str, resp_len: int, grad_ckpt: bool, args, port:
         f"learner.checkpoint_keeps_attention={'true' if keep_attention and path == 'new' else 'false'}",
         f"learner.prompts_per_step={max(1, args.samples // 2)}",
         "rollout.samples_per_prompt=2", f"rollout.max_response_tokens={resp_len}",
-        f"data.max_prompt_tokens={args.prompt_len}", *learner_cfg])
+        f"data.max_prompt_tokens={args.prompt_len}", *learner_cfg, *args.set])
     # samples_per_prompt must be >= 2 in the config; the rank trains the shard it is given, whatever its size.
     shard = make_shard(args.samples, args.prompt_len, resp_len, args.vocab, seed=resp_len)
     normalizer = count_normalizer(shard.loss_mask, resp_len)
@@ -76,6 +113,12 @@ def run_row(folder: Path, path: str, resp_len: int, grad_ckpt: bool, args, port:
         out["peak_gib"] = (torch.cuda.max_memory_allocated() / 2**30 if cuda
                            else metrics["learner/peak_gib_max"])
         out["loss"] = metrics["loss"]
+        flops = args.samples * train_flops(args.shape, args.vocab, total)
+        out["tflops"] = flops / out["s_per_step"] / 1e12
+        out["mfu"] = out["tflops"] / bf16_peak_tflops(torch.cuda.get_device_name(0)) if cuda else float("nan")
+        if args.profile:
+            print(fmt(out), flush=True)
+            profile_step(learner, shard, normalizer)
     finally:
         if learner.engine is not None and hasattr(learner.engine, "destroy"):
             learner.engine.destroy()
@@ -90,10 +133,11 @@ def fmt(row: dict) -> str:
         return f"{head} {row['error']}"
     tok_s = row['resp'] * row['samples'] / row['s_per_step']
     return (f"{head} {row['s_per_step']:8.3f} {tok_s:11.0f} {row['peak_gib']:8.2f} "
-            f"{row['loss']:11.4e}")
+            f"{row['loss']:11.4e} {row['tflops']:8.1f} {100 * row['mfu']:5.1f}%")
 
 
-HEADER = f"{'path':4} {'resp':>7} {'gc':5} {'s/step':>8} {'resp tok/s':>11} {'peak GiB':>8} {'loss':>11}"
+HEADER = (f"{'path':4} {'resp':>7} {'gc':5} {'s/step':>8} {'resp tok/s':>11} {'peak GiB':>8} {'loss':>11} "
+          f"{'TFLOP/s':>8} {'MFU':>6}")
 
 
 def main() -> int:
@@ -115,6 +159,11 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every row, e.g. learner.fused_adamw=true (repeatable)")
+    ap.add_argument("--profile", action="store_true", help="profile one more step of each row and print the top ops")
+    ap.add_argument("--model-dir", default="",
+                    help="reuse the model folder saved there by an earlier run of the same shape (built there if absent)")
     ap.add_argument("--allow-cpu", action="store_true", help="smoke-test the script on CPU (use --shape tiny)")
     args = ap.parse_args()
     if not torch.cuda.is_available() and not args.allow_cpu:
@@ -134,10 +183,12 @@ def main() -> int:
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="relayrl-long-cot-") as tmp:
         lengths = [int(x) for x in args.lengths.split(",")]
-        # The context must hold the longest prompt + response, or the learner refuses the sample by name.
-        folder, _ = build_model_folder(args.shape, Path(tmp), args.vocab,
-                                       "cuda" if torch.cuda.is_available() else "cpu",
-                                       max_positions=max(32768, args.prompt_len + max(lengths)))
+        root = Path(args.model_dir or tmp)
+        folder = root / f"qwen2-{args.shape}"
+        if not (folder / "config.json").exists():
+            # The context must hold the longest prompt + response, or the learner refuses the sample by name.
+            folder, _ = build_model_folder(args.shape, root, args.vocab, "cuda" if torch.cuda.is_available() else "cpu",
+                                           max_positions=max(32768, args.prompt_len + max(lengths)))
         free_memory()
         for resp_len in lengths:
             for path in [p.strip() for p in args.paths.split(",")]:

@@ -4,6 +4,9 @@
     python benchmarks/reference_memory.py --part learner --layers 8
     python benchmarks/reference_memory.py --part learner --gpu --shape 1.5b   # on a GPU: peak GPU memory
 
+With --gpu the learner part runs the rank and the reference worker in this process, one after the other (the
+GPU machine has no Ray), and reads the GPU allocator: memory held after setup and the peak during steps.
+
 Part `learner`: one learner rank (DeepSpeed ZeRO-2) of a random-init model, preset grpo (KL in the loss), on
 the same synthetic batch, twice: with the in-learner reference (reference.num_workers=0) and with the reference
 log-probs supplied by a ReferenceWorker actor (reference.num_workers=1, the learner holds no copy). It prints
@@ -28,6 +31,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._gpu_common import free_memory, free_port, peak_gib, reset_peak, sync  # noqa: E402
 
 GIB = 2**30
 
@@ -91,22 +96,95 @@ def learner_reading(cfg, model: str, samples, steps: int) -> dict:
             "holds_reference": holds_ref, "kl": metrics.get("kl", float("nan"))}
 
 
+def learner_reading_here(cfg, model: str, samples, steps: int, port: int) -> dict:
+    """--gpu: the same reading with the rank in this process; GPU memory held after setup and its peak."""
+    from learner.learner_actor import LearnerRank
+    from learner.objective import count_normalizer
+
+    normalizer = count_normalizer(samples.loss_mask, cfg.rollout.max_response_tokens)
+    free_memory()
+    reset_peak()
+    rank = LearnerRank(cfg, 0, 1, model)
+    try:
+        rank.setup("127.0.0.1", port)
+        after_setup = torch.cuda.memory_allocated() / GIB if torch.cuda.is_available() else _memory()["VmRSS"]
+        holds_ref = rank.ref_model is not None
+        seconds = []
+        for _ in range(steps):
+            sync()
+            start = time.perf_counter()
+            metrics = rank.train_step(samples, normalizer)
+            sync()
+            seconds.append(time.perf_counter() - start)
+        peak = peak_gib() if torch.cuda.is_available() else metrics["learner/peak_gib_max"]
+    finally:
+        if rank.engine is not None and hasattr(rank.engine, "destroy"):
+            rank.engine.destroy()
+        del rank
+        free_memory()
+    return {"rss_after_setup_gib": after_setup, "peak_gib": peak, "step_s": statistics.median(seconds[1:]),
+            "holds_reference": holds_ref, "kl": metrics.get("kl", float("nan"))}
+
+
+def part_learner_here(args) -> dict:
+    """The learner part with no Ray: each setting's rank, then the reference worker, in this process."""
+    from actors.reference_worker import ReferenceWorker
+    from learner.batch import pad_per_token
+
+    root = Path(tempfile.mkdtemp(prefix="relayrl_refmem_"))
+    model = build_model(root, args)
+    in_learner, streamed = learner_configs(args)
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    samples = synthetic_samples(args.samples, args.prompt_len, args.response_len, vocab)
+    port = free_port()
+    with_ref = learner_reading_here(in_learner, model, samples, args.steps, port)
+    reset_peak()
+    worker = ReferenceWorker(streamed, 0, model)
+    try:
+        sync()
+        start = time.perf_counter()
+        ref_rows = worker.score_batch(samples)
+        sync()
+        ref_s = time.perf_counter() - start
+        worker_peak = peak_gib() if torch.cuda.is_available() else _memory()["VmHWM"]
+    finally:
+        del worker
+        free_memory()
+    samples = samples.with_fields(ref_logprobs=pad_per_token(ref_rows, samples.width))
+    without_ref = learner_reading_here(streamed, model, samples, args.steps, port)
+    return {"model_params": parameter_count(model), "in_learner": with_ref, "reference_workers": without_ref,
+            "reference_worker_rss_gib": worker_peak, "reference_worker_s_per_batch": ref_s}
+
+
+def learner_configs(args):
+    """The two settings of the learner part: the in-learner reference, and reference log-probs from workers."""
+    from protocols.config import load_config
+
+    common = ["algorithm.preset=grpo", f"learner.prompts_per_step={args.samples // 8}", "rollout.samples_per_prompt=8",
+              f"learner.micro_batch_size={args.micro_batch}", f"rollout.max_response_tokens={args.response_len}",
+              f"data.max_prompt_tokens={args.prompt_len}", f"cluster.use_gpus={str(args.gpu).lower()}",
+              f"model.dtype={'bfloat16' if args.gpu else 'float32'}"]
+    return load_config(None, common + ["reference.num_workers=0"]), load_config(None, common + ["reference.num_workers=1"])
+
+
+def parameter_count(model: str) -> int:
+    from safetensors.torch import load_file
+
+    return sum(v.numel() for shard in Path(model).glob("*.safetensors") for v in load_file(shard).values())
+
+
 def part_learner(args) -> dict:
+    if args.gpu or args.here:
+        return part_learner_here(args)
     import ray
 
     from actors.reference_worker import ReferenceWorker
     from cluster.ray_setup import start_ray
     from learner.batch import pad_per_token
-    from protocols.config import load_config
 
     root = Path(tempfile.mkdtemp(prefix="relayrl_refmem_"))
     model = build_model(root, args)
-    common = ["algorithm.preset=grpo", f"learner.prompts_per_step={args.samples // 8}", "rollout.samples_per_prompt=8",
-              f"learner.micro_batch_size={args.micro_batch}", f"rollout.max_response_tokens={args.response_len}",
-              f"data.max_prompt_tokens={args.prompt_len}", f"cluster.use_gpus={str(args.gpu).lower()}",
-              f"model.dtype={'bfloat16' if args.gpu else 'float32'}"]
-    in_learner = load_config(None, common + ["reference.num_workers=0"])
-    streamed = load_config(None, common + ["reference.num_workers=1"])
+    in_learner, streamed = learner_configs(args)
     start_ray(in_learner)
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     samples = synthetic_samples(args.samples, args.prompt_len, args.response_len, vocab)
@@ -122,10 +200,7 @@ def part_learner(args) -> dict:
     finally:
         ray.kill(worker)
     without_ref = learner_reading(streamed, model, samples, args.steps)
-    from safetensors.torch import load_file
-
-    params = sum(v.numel() for shard in Path(model).glob("*.safetensors") for v in load_file(shard).values())
-    return {"model_params": params, "in_learner": with_ref, "reference_workers": without_ref,
+    return {"model_params": parameter_count(model), "in_learner": with_ref, "reference_workers": without_ref,
             "reference_worker_rss_gib": worker_rss, "reference_worker_s_per_batch": ref_s}
 
 
@@ -156,6 +231,8 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--shape", default="", help="a named shape of benchmarks/_gpu_common.py (0.5b, 1.5b)")
     parser.add_argument("--gpu", action="store_true", help="run the learner part on a GPU (bf16)")
+    parser.add_argument("--here", action="store_true",
+                        help="learner part in this process, no Ray (implied by --gpu: the GPU machine has no Ray)")
     parser.add_argument("--samples", type=int, default=32)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=64)
@@ -173,12 +250,13 @@ def main() -> int:
         print(f"learner rank, {r['model_params'] / 1e6:.1f}M parameters, {args.samples} samples x "
               f"({args.prompt_len} + {args.response_len}) tokens, preset grpo (KL in the loss)")
         print(f"{'':28s}{'in-learner ref':>16s}{'ref workers':>14s}{'ratio':>8s}")
-        for key, name in (("rss_after_setup_gib", "RSS after setup (GiB)"), ("peak_gib", "peak during step (GiB)"),
+        held = "GPU memory after setup (GiB)" if args.gpu else "RSS after setup (GiB)"  # host RSS on CPU
+        for key, name in (("rss_after_setup_gib", held), ("peak_gib", "peak during step (GiB)"),
                           ("step_s", "train_step (s, median)")):
             print(f"{name:28s}{a[key]:16.3f}{b[key]:14.3f}{b[key] / a[key]:8.2f}")
         print(f"holds a reference copy: {a['holds_reference']} / {b['holds_reference']}; "
               f"KL metric {a['kl']:.2e} / {b['kl']:.2e}")
-        print(f"reference worker: RSS {r['reference_worker_rss_gib']:.3f} GiB, "
+        print(f"reference worker: {'GPU peak' if args.gpu else 'RSS'} {r['reference_worker_rss_gib']:.3f} GiB, "
               f"{r['reference_worker_s_per_batch']:.3f} s per batch (off the learner, in the stream)")
     if args.part in ("pipeline", "both"):
         p = part_pipeline(args)

@@ -110,8 +110,9 @@ class LearnerRank(DeepSpeedRank, RankCheckpoint, RankWeights):
         # bookkeeping reads it, train_step sets the real count every step.
         per_rank = -(-cfg.samples_per_step // (self.world_size // self.sp))
         self.num_micro = len(micro_batches(per_rank, cfg.learner.micro_batch_size))
+        fused = cfg.learner.fused_adamw and self.use_cuda  # the fp32 master copies DeepSpeed steps live on the GPU
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learner.lr, betas=cfg.learner.betas,
-                                      weight_decay=cfg.learner.weight_decay)
+                                      weight_decay=cfg.learner.weight_decay, fused=fused or None)
         ds_config = deepspeed_config(self.num_micro, cfg.learner.max_grad_norm, cfg.learner.zero_stage,
                                      cfg.model.dtype)
         # DeepSpeed steps the schedule at every accumulation boundary, i.e. once per optimizer step.

@@ -55,6 +55,11 @@ class LearnerConfig(BaseModel):
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas."""
 
+    fused_adamw: bool = True
+    """On GPUs, torch's fused AdamW: one kernel updates all parameters and moments instead of a handful of
+    element-wise passes over them (1.5B shape on an H200: 1.3 to 1.7% faster steps at 8k and 32k). The same
+    update; on CPU ranks it is ignored."""
+
     max_grad_norm: float = Field(1.0, gt=0)
     """Global gradient norm clip."""
 
