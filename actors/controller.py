@@ -238,7 +238,9 @@ class RolloutController(LeaseBook, ScoringLists):
         self.stopped = False
         self._notify()
 
-    def stats(self) -> dict[str, float]:
+    def stats(self, generated: bool = False) -> dict[str, float]:
+        """The queue's counters; with `generated`, also the lengths of every sample received since the last such
+        call (the driver asks once per logged step)."""
         q = self.queue
         in_flight = self.admitted - q.received
         out = {
@@ -256,7 +258,11 @@ class RolloutController(LeaseBook, ScoringLists):
             "data/epoch": self.cursor.epoch,
         }
         out.update({f"queue/dropped_{reason}": n for reason, n in q.dropped.items()})
+        if q.drop_zero_variance:
+            out["queue/zero_variance_rewarded"] = q.zero_variance_rewarded
         out.update({f"control/calls_{method}": n for method, n in self.calls.items()})
+        if generated:
+            out.update(q.generated_metrics())
         return out
 
     def get_worker_stats(self) -> dict[int, dict]:

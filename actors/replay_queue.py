@@ -7,6 +7,7 @@ and counts every group it receives as exactly one of: waiting, trained, or dropp
 
 from collections import Counter, deque
 
+from protocols.metrics import length_metrics
 from protocols.trajectory import TrajectoryGroup
 
 
@@ -26,6 +27,10 @@ class ReplayQueue:
         self.received = 0
         self.trained = 0
         self.dropped: Counter[str] = Counter()
+        self.zero_variance_rewarded = 0
+        """Groups dropped as zero variance whose samples were all rewarded (too easy); the rest earned nothing."""
+        self._generated: list[tuple[int, bool]] = []
+        """(response tokens, truncated) of every sample received since the last `generated_metrics()`."""
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -33,8 +38,10 @@ class ReplayQueue:
     def put(self, group: TrajectoryGroup) -> bool:
         """Add a scored group. Returns False when it was dropped (and counted) instead of queued."""
         self.received += 1
+        self._generated.extend((len(t.response_token_ids), t.finish_reason == "length") for t in group.trajectories)
         if self.drop_zero_variance and not group_has_signal(group.rewards):
             self.dropped["zero_variance"] += 1
+            self.zero_variance_rewarded += group.rewards[0] > 0
             return False
         self._groups.append((group.min_version, group))
         return True
@@ -72,12 +79,24 @@ class ReplayQueue:
         self.trained += num_groups
         return batch
 
+    def generated_metrics(self) -> dict[str, float]:
+        """Lengths of every sample received since the last call, trained or dropped (`generated/` metrics), then
+        forgets them: the trained batch alone hides what the policy writes for problems it never solves."""
+        samples, self._generated = self._generated, []
+        if not samples:
+            return {"generated/samples": 0.0}
+        lengths = [n for n, _ in samples]
+        return {"generated/samples": float(len(samples)), "generated/length_mean": sum(lengths) / len(lengths),
+                **length_metrics(lengths, prefix="generated/"),
+                "generated/truncated_frac": sum(cut for _, cut in samples) / len(samples)}
+
     def state_dict(self) -> dict:
         return {
             "groups": [g.model_dump(mode="json") for _, g in self._groups],
             "received": self.received,
             "trained": self.trained,
             "dropped": dict(self.dropped),
+            "zero_variance_rewarded": self.zero_variance_rewarded,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -86,3 +105,4 @@ class ReplayQueue:
         self.received = state["received"]
         self.trained = state["trained"]
         self.dropped = Counter(state["dropped"])
+        self.zero_variance_rewarded = state.get("zero_variance_rewarded", 0)  # absent from older checkpoints

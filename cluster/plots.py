@@ -135,7 +135,10 @@ def panel_heldout(ax: Axes, rows: list[dict], summary: dict) -> bool:
 
 def panel_length(ax: Axes, rows: list[dict], summary: dict) -> bool:
     ax.set_title("response length")
-    drawn = _lines(ax, rows, ["response/length_mean", "response/length_p50", "response/length_p99"], "tokens")
+    # generated/: every finished sample, the dropped groups' too (the trained batch never holds the problems
+    # the policy always fails, often the long ones)
+    drawn = _lines(ax, rows, ["response/length_mean", "response/length_p50", "response/length_p99",
+                              "generated/length_p99", "generated/length_max"], "tokens")
     x, y = series(rows, "response/truncated_frac")
     if x:
         twin = ax.twinx()

@@ -6,7 +6,6 @@ rollout workers. The driver never asks a rollout worker for data: batches come o
 
 import json
 import logging
-import math
 import time
 from collections import Counter
 from pathlib import Path
@@ -43,7 +42,7 @@ from learner.objective import (
 )
 from learner.weight_delta import delta_metrics
 from protocols.config import RunConfig, dump_config
-from protocols.metrics import reference_worker_metrics, reward_worker_metrics, rollout_metrics
+from protocols.metrics import length_metrics, reference_worker_metrics, reward_worker_metrics, rollout_metrics
 from protocols.training_batch import TrainingBatch
 from protocols.trajectory import Trajectory, TrajectoryGroup, WeightVersion
 from rewards.datasets import load_prompts
@@ -60,17 +59,6 @@ def staleness_metrics(trajectories: list[Trajectory], version: int) -> dict[str,
         out[f"staleness/hist_{lag}"] = count / len(lags)
     out["staleness/mixed_version_frac"] = sum(t.min_version != t.max_version for t in trajectories) / len(lags)
     return out
-
-
-def length_metrics(lengths: list[int]) -> dict[str, float]:
-    """Median, 99th percentile (nearest rank) and longest response of the trained batch: a long tail shows in p99
-    and max long before it moves the mean."""
-    ordered = sorted(lengths)
-
-    def rank(q: float) -> float:
-        return float(ordered[max(0, math.ceil(q * len(ordered)) - 1)])
-
-    return {"response/length_p50": rank(0.5), "response/length_p99": rank(0.99), "response/length_max": rank(1.0)}
 
 
 class Trainer:
@@ -261,7 +249,7 @@ class Trainer:
             if cfg.train.save_every and self.version % cfg.train.save_every == 0:
                 self.save_checkpoint(folder.path)
             if self.version % cfg.train.log_every == 0:
-                metrics.update(ray.get(self.controller.stats.remote()))
+                metrics.update(ray.get(self.controller.stats.remote(generated=True)))
                 metrics.update(self._rollout_metrics())
                 metrics.update(self.supervisor.metrics())
                 metrics.update(self.reward_counters.read())

@@ -24,13 +24,18 @@ SECTIONS: dict[str, str] = {
                          "micro_batches (forwards), seconds_per_group, tokens_per_s (prompt + response tokens per "
                          "second of scoring)",
     "response/": "length_mean, length_p50, length_p99, length_max (tokens, of the trained batch), truncated_frac",
+    "generated/": "every sample the engines finished and the verifiers scored since the last logged step, trained "
+                  "or dropped (a group all wrong or all right never reaches the batch, so response/ cannot show "
+                  "what the policy writes for the problems it never solves): samples, length_mean, length_p50, "
+                  "length_p99, length_max, truncated_frac",
     "staleness/": "mean, max, hist_<lag> (share of samples lag versions old), mixed_version_frac",
     "tools/": "tool-using rollouts (only with tools enabled), over the trained batch: turns_per_sample, "
               "calls_per_sample, call_rate (share of samples with a call), errors_<kind> (calls: unknown_tool, "
               "exception, timeout), seconds_mean (per call), token_share (tool tokens / response tokens), "
               "truncated_outputs, malformed_calls, max_turns_share",
     "queue/": "the controller's replay queue: depth, admitted, received, trained, in_flight, leased, "
-              "dropped_<reason>",
+              "dropped_<reason>, zero_variance_rewarded (the groups of dropped_zero_variance whose samples were all "
+              "rewarded: too easy; the others earned nothing: too hard)",
     "control/": "controller calls by method (calls_<method>)",
     "rollout/": "idle_frac, tokens_per_s, sync_s_total over the rollout workers",
     "time/": "seconds per phase of the step: wait_s, learner_s, publish_s, step_s, verify_s (the weight-sync "
@@ -53,6 +58,17 @@ SECTIONS: dict[str, str] = {
 """Every name with a `/` belongs to one of these sections. Names without one are the objective's own
 (loss, pg_loss, kl, entropy, clip_frac*, ratio_*, is_*, grad_norm_max, num_tokens, policy_version, ...;
 see learner/objective.py finalize_metrics)."""
+
+
+def length_metrics(lengths: list[int], prefix: str = "response/") -> dict[str, float]:
+    """Median, 99th percentile (nearest rank) and longest of `lengths` (tokens): a long tail shows in p99 and max
+    long before it moves the mean."""
+    ordered = sorted(lengths)
+
+    def rank(q: float) -> float:
+        return float(ordered[max(0, math.ceil(q * len(ordered)) - 1)])
+
+    return {f"{prefix}length_p50": rank(0.5), f"{prefix}length_p99": rank(0.99), f"{prefix}length_max": rank(1.0)}
 
 
 def merges_by_max(name: str) -> bool:

@@ -148,7 +148,7 @@ def test_short_run_logs_reward_worker_counters_and_eval_sets(ray_cluster, tmp_pa
 
 
 def test_length_metrics_nearest_rank():
-    from cluster.trainer import length_metrics
+    from protocols.metrics import length_metrics
 
     # 100 lengths 1..100: p50 is the 50th smallest (50), p99 the 99th (99), max 100.
     assert length_metrics(list(range(100, 0, -1))) == {

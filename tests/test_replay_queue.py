@@ -35,6 +35,32 @@ def test_zero_variance_groups_are_dropped_and_counted():
     assert len(q) == 1 and q.dropped["zero_variance"] == 1 and q.received == 2
 
 
+def test_zero_variance_drops_say_whether_the_group_was_too_easy_or_too_hard():
+    q = ReplayQueue(max_staleness=0, drop_zero_variance=True)
+    for group_id, rewards in (("easy", [1, 1]), ("hard", [0, 0]), ("hard2", [0, 0]), ("mixed", [1, 0])):
+        q.put(make_group(group_id, rewards, 0))
+    # 3 dropped as zero variance, of which 1 all rewarded ("easy"); "mixed" is queued
+    assert (q.dropped["zero_variance"], q.zero_variance_rewarded, len(q)) == (3, 1, 1)
+    c = RolloutController(make_prompts(2), prompts_per_step=1, max_staleness=0, drop_zero_variance=True, seed=0)
+    c.queue = q
+    assert c.stats()["queue/zero_variance_rewarded"] == 1
+
+
+def test_generated_lengths_count_dropped_groups_and_reset_after_each_read():
+    q = ReplayQueue(max_staleness=0, drop_zero_variance=True)
+    long_cut = make_group("long", [0, 0], 0)  # all wrong: dropped, but its lengths still count
+    for t, n in zip(long_cut.trajectories, (100, 300)):
+        t.response_token_ids, t.finish_reason = [5] * n, "length"
+    q.put(long_cut)
+    q.put(make_group("short", [1, 0], 0))  # 2 samples of 2 tokens
+    # lengths 2, 2, 100, 300: mean 404 / 4 = 101; p50 = 2nd of 4 = 2; p99 and max = 300; 2 of 4 cut at the limit
+    assert q.generated_metrics() == {
+        "generated/samples": 4.0, "generated/length_mean": 101.0, "generated/length_p50": 2.0,
+        "generated/length_p99": 300.0, "generated/length_max": 300.0, "generated/truncated_frac": 0.5}
+    assert q.generated_metrics() == {"generated/samples": 0.0}  # read once: the next step starts afresh
+    assert len(q) == 1 and q.dropped["zero_variance"] == 1
+
+
 def test_take_waits_for_a_full_batch_and_keeps_groups_whole():
     q = ReplayQueue(max_staleness=0, drop_zero_variance=False)
     q.put(make_group("a", [1, 0], 0))
