@@ -1,9 +1,21 @@
 """`logging.wandb: true` beside TensorBoard: an offline W&B run (no network) written with the resolved config."""
 
 import json
+import time
 
 from cluster.run_folder import RunFolder
 from protocols.config import load_config
+
+
+def read_record_log(run_dir, timeout_s: float = 60.0) -> bytes:
+    """The offline run's record log once it holds the metrics: W&B's service process writes it and can still be
+    writing after `finish()` returns on a loaded machine (CI once read the 7-byte header alone)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        data = next(run_dir.glob("run-*.wandb")).read_bytes()
+        if b"reward/mean" in data or time.monotonic() > deadline:
+            return data
+        time.sleep(0.5)
 
 
 def test_offline_wandb_run_holds_the_resolved_config_and_the_metrics(tmp_path, monkeypatch):
@@ -23,7 +35,7 @@ def test_offline_wandb_run_holds_the_resolved_config_and_the_metrics(tmp_path, m
     # log) and as the YAML file `relayrl train --config` reads, with the overrides applied
     attached = load_config(runs[0] / "files" / "relayrl_config.yaml")
     assert attached == cfg and attached.learner.lr == 3e-5
-    record_log = next(runs[0].glob("run-*.wandb")).read_bytes()
+    record_log = read_record_log(runs[0])
     assert b'"samples_per_prompt":8' in record_log.replace(b" ", b"") and b"relayrl-test" in record_log
     # the metrics went to the offline run's log too, and metrics.jsonl is as without W&B
     assert b"reward/mean" in record_log
