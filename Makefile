@@ -22,9 +22,10 @@ train-tools-no-tools: install
 	$(VENV)/bin/relayrl train --config deploy/configs/demo_tools_no_tools.yaml $(ARGS)
 
 # Pure tests run first (tests/conftest.py orders them), and the 20 slowest are listed at the end of every run
-# so that a test that grows shows. TEST_WORKERS pytest processes share the tests a file at a time (a file's
-# module fixtures, an engine say, are built once): a real-stack test spends much of its time waiting on the
-# processes it starts, so two overlap well on two cores. TEST_WORKERS=0 runs them in this one process.
+# so that a test that grows shows. TEST_WORKERS pytest processes share the tests (a real-stack test spends much
+# of its time waiting on the processes it starts, so two overlap well on two cores); a module whose fixture is
+# costly (an engine, a three-node cluster) runs whole on one of them (its xdist_group). TEST_WORKERS=0 runs
+# every test in this one process.
 TEST_WORKERS ?= 2
 test: install
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=20 -n $(TEST_WORKERS) --dist loadfile tests $(ARGS)
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=20 -n $(TEST_WORKERS) --dist loadgroup tests $(ARGS)

@@ -53,11 +53,15 @@ REPLACES_SESSION_RAY = frozenset({"three_nodes"})
 
 def pytest_collection_modifyitems(config, items):
     """Pure tests first (a failure there shows in seconds, not after the real stack's minutes), then the slow ones,
-    then those that replace the session's Ray; the collection order is kept within each part (a stable sort)."""
+    then those that replace the session's Ray; the collection order is kept within each part (a stable sort).
+    Under pytest-xdist (`make test`) those come first among the slow ones instead: they run as one group on one
+    worker (xdist_group), minutes long, and started last they would leave the other worker idle at the end."""
+    replacing_part = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 3
+
     def part(item) -> int:
         if item.get_closest_marker("slow") is None:
             return 0
-        return 2 if REPLACES_SESSION_RAY & set(item.fixturenames) else 1
+        return replacing_part if REPLACES_SESSION_RAY & set(item.fixturenames) else 2
 
     items.sort(key=part)
 

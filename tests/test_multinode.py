@@ -17,7 +17,8 @@ from cluster.trainer import Trainer
 from protocols.config import load_config
 from tests.conftest import TEST_ENV_VARS
 
-pytestmark = pytest.mark.slow
+# One xdist worker runs the whole module: its module fixture is built once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multinode")]
 
 OBJECT_STORE_BYTES = 300 * 1024**2
 
