@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from cluster.demo_model import BOS, EOS, PAD, build_cached, default_cache_dir, greedy_responses_hf
@@ -155,7 +156,7 @@ def check_prompts(data: DataConfig, tokenizer: PreTrainedTokenizerFast, count: i
 
 def warm_start_longcot(
     folder: str | Path, data: DataConfig, demo: DemoModelConfig, *, check_every: int = 50,
-    num_check_problems: int = 200, max_tokens_per_micro_batch: int = 8192, log: Any = None,
+    num_check_problems: int = 200, max_tokens_per_micro_batch: int = 8192, log: Any = None, progress: bool = True,
 ) -> dict[str, float]:
     """Supervised training on the written-out solutions (loss on the working, the answer and EOS); saves in place.
 
@@ -178,6 +179,8 @@ def warm_start_longcot(
     checks_at_target = 0
     steps = demo.warm_start_steps
     train_cpu = 0.0  # process CPU seconds of the training steps alone: wall time is noisy on a shared machine
+    # Minutes of work before the first RL step of a fresh clone: show it (it stops early, at the target).
+    bar = tqdm(total=steps, desc="long-CoT warm start", dynamic_ncols=True, disable=not progress)
     for step in range(1, steps + 1):
         cpu_start = time.process_time()
         model.train()
@@ -198,6 +201,7 @@ def warm_start_longcot(
         optimizer.step()
         losses.append(loss_sum)
         train_cpu += time.process_time() - cpu_start
+        bar.update(1)
         if step % check_every == 0 or step == steps:
             model.eval()
             responses = greedy_responses_by_length(model, tokenizer, checks)
@@ -207,8 +211,11 @@ def warm_start_longcot(
                     f"(easy {check['accuracy_easy']:.3f}, long {check['accuracy_long']:.3f}), "
                     f"{time.perf_counter() - start:.0f} s, {train_cpu / step:.2f} CPU s per training step")
             checks_at_target = checks_at_target + 1 if check["accuracy"] >= demo.warm_start_target_accuracy else 0
+            bar.set_postfix(loss=f"{loss_sum:.3f}", check=f"{check['accuracy']:.2f}",
+                            target=demo.warm_start_target_accuracy)
             if checks_at_target == 2:
                 break
+    bar.close()
     seconds = time.perf_counter() - start
     if check["accuracy"] < demo.warm_start_target_accuracy:
         raise WarmStartFailed(
