@@ -15,8 +15,11 @@ from protocols.trajectory import Prompt
 from rewards import code_sandbox
 from rewards.code_sandbox import extract_code, run_in_sandbox, verify_code
 
-# Wall limit generous for a loaded machine (sandbox start included); CPU limit short.
-FAST = CodeSandboxConfig(run_timeout_s=5.0, cpu_time_s=2)
+# Wall limit generous for a loaded machine (sandbox start included); CPU limit short. A uid range of this file's
+# own, apart from the default one other tests' sandboxes use (they may run at the same time, in another pytest
+# worker): the process counts below see this file's sandboxes alone.
+FAST = CodeSandboxConfig(run_timeout_s=5.0, cpu_time_s=2, sandbox_uid_base=100_000_000)
+UID_RANGE = range(FAST.sandbox_uid_base, FAST.sandbox_uid_base + (1 << 22))  # base + a launcher pid (< 2^22)
 ECHO_TESTS = [{"input": "21\n", "output": "42\n"}, {"input": "5\n", "output": "10"}]
 
 
@@ -31,7 +34,7 @@ def _score(code: str, tests=ECHO_TESTS, cfg: CodeSandboxConfig = FAST, budget_s:
 
 
 def _sandbox_processes_on_host() -> int:
-    """Processes on the host whose real uid is a sandbox uid (other jobs on the machine never use those)."""
+    """Processes on the host whose real uid is one of this file's sandbox uids (nothing else uses those)."""
     count = 0
     for name in os.listdir("/proc"):
         try:
@@ -39,7 +42,7 @@ def _sandbox_processes_on_host() -> int:
                 uid = next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
         except (FileNotFoundError, NotADirectoryError, ProcessLookupError, StopIteration, ValueError):
             continue
-        count += uid >= FAST.sandbox_uid_base
+        count += uid in UID_RANGE
     return count
 
 
@@ -187,7 +190,7 @@ def test_program_runs_unprivileged_without_the_host_files():
         "    os.path.exists(sys.executable)]))"
     )
     uid, work, home, run, tmp, shm, pids, python = json.loads(run_in_sandbox(code, FAST).stdout)
-    assert uid >= FAST.sandbox_uid_base
+    assert uid in UID_RANGE
     # No data or home folders; /run, /tmp and /dev/shm private and empty; only its own processes: the harness's
     # supervisor (pid 1) and the program (pid 2); the interpreter is visible so programs may start Python again.
     assert (work, home, run, tmp, shm, pids, python) == (False, False, [], [], [], ["1", "2"], True)

@@ -183,7 +183,6 @@ def test_sysv_ipc_objects_die_with_the_run_and_host_ones_are_invisible():
     exec(_IPC_HELPERS, ns := {})
     host_id = ns["libc"].shmget(host_key, 4096, ns["IPC_CREAT"] | 0o666)
     assert host_id >= 0
-    before = _sysvipc_keys()
     code = _IPC_HELPERS + f"""
 made = [libc.shmget({inner_key}, 1 << 20, IPC_CREAT | 0o666) >= 0,
         libc.msgget({inner_key}, IPC_CREAT | 0o666) >= 0,
@@ -199,8 +198,8 @@ print(made, libc.shmget({host_key}, 0, 0) >= 0)
     # Inside, the program could create all three (its own IPC namespace) but not see the host's segment...
     assert run.status == "ok", run.stderr
     assert run.stdout.strip() == "[True, True, True] False"
-    # ...and nothing it created outlived the run.
-    assert {key for _, key in after - before} == set()
+    # ...and nothing it created (all three under inner_key) outlived the run. Only its key is checked: other
+    # processes on the host (another pytest worker's engines, say) may create objects of their own meanwhile.
     assert all(key != inner_key for _, key in after)
 
 
