@@ -134,6 +134,12 @@ def test_short_run_logs_reward_worker_counters_and_eval_sets(ray_cluster, tmp_pa
     assert total == (q["queue/received"] - q.get("queue/dropped_aborted_at_stop", 0)) * 4
     assert sum(r["reward_worker/samples"] for r in rows) <= total
     assert total >= 4 * 4 * 4  # at least the 4 trained batches of 16 samples
+    # generated/: every sample received by each logged step, counted once (the windows do not overlap), dropped
+    # groups' too: at least the 64 trained samples, at most every received group's 4
+    generated = sum(r["generated/samples"] for r in rows)
+    assert 4 * 4 * 4 <= generated <= q["queue/received"] * 4
+    assert all(r["generated/length_p50"] <= r["generated/length_p99"] <= r["generated/length_max"]
+               for r in rows if r["generated/samples"])
     assert summary["reward_workers"]["reward_worker/error_timeout"] == 0
     # the demo set at step 2 (in metrics.jsonl) and after training (summary): pass@1 <= pass@2, both in [0, 1]
     mid = rows[1]
