@@ -11,6 +11,10 @@ from protocols.metrics import length_metrics
 from protocols.trajectory import TrajectoryGroup
 
 
+GENERATED_WINDOW = 1 << 20
+"""Samples the `generated/` metrics keep between reads at most (a few MB)."""
+
+
 def group_has_signal(rewards: list[float]) -> bool:
     """A group whose rewards are all equal gives every sample zero advantage: it carries no learning signal."""
     return max(rewards) != min(rewards)
@@ -29,8 +33,9 @@ class ReplayQueue:
         self.dropped: Counter[str] = Counter()
         self.zero_variance_rewarded = 0
         """Groups dropped as zero variance whose samples were all rewarded (too easy); the rest earned nothing."""
-        self._generated: list[tuple[int, bool]] = []
-        """(response tokens, truncated) of every sample received since the last `generated_metrics()`."""
+        self._generated: deque[tuple[int, bool]] = deque(maxlen=GENERATED_WINDOW)
+        """(response tokens, truncated) of the samples received since the last `generated_metrics()`: the newest
+        GENERATED_WINDOW, so a queue nobody reads (the simulator's) stays bounded."""
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -82,7 +87,7 @@ class ReplayQueue:
     def generated_metrics(self) -> dict[str, float]:
         """Lengths of every sample received since the last call, trained or dropped (`generated/` metrics), then
         forgets them: the trained batch alone hides what the policy writes for problems it never solves."""
-        samples, self._generated = self._generated, []
+        samples, self._generated = list(self._generated), deque(maxlen=GENERATED_WINDOW)
         if not samples:
             return {"generated/samples": 0.0}
         lengths = [n for n, _ in samples]
