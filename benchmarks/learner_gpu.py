@@ -19,9 +19,10 @@ length, advantages +-1, behavior log-probs ~ -2; preset dapo, so no reference mo
            LM head in checkpointed chunks of --chunk-tokens positions, so (B, T, V) logits are never
            materialised: what a fused "linear + log-softmax" scorer would save in memory and time.
 
-Timed steps exclude warm-up; torch.cuda.synchronize() brackets every timing. TFLOP/s is the usual *model*
-estimate 6 * params * total tokens / time (no attention term, no recompute under gradient checkpointing), so it
-understates the hardware's work, more so for long sequences and with checkpointing.
+Timed steps exclude warm-up; torch.cuda.synchronize() brackets every timing. TFLOP/s counts *model* FLOPs
+(_gpu_common.train_flops: 6 x the weights in matrix products x tokens, plus causal attention; the same count as
+long_cot_gpu.py's MFU): recomputation under gradient checkpointing is not counted, so it understates the hardware's
+work with checkpointing on.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from benchmarks._gpu_common import (  # noqa: E402
     peak_gib,
     reset_peak,
     sync,
+    train_flops,
 )
 from benchmarks._plain_learner import run_plain  # noqa: E402
 
@@ -300,7 +302,8 @@ def main() -> int:
                             total_tokens = args.samples_per_step * (resp_len + args.prompt_len)
                             res.resp_tok_s = resp_tokens / res.s_per_step
                             res.total_tok_s = total_tokens / res.s_per_step
-                            res.model_tflops = 6 * n_params * total_tokens / res.s_per_step / 1e12
+                            flops = args.samples_per_step * train_flops(shape, args.vocab, resp_len + args.prompt_len)
+                            res.model_tflops = flops / res.s_per_step / 1e12
                             if variant == "ds":
                                 ds_s = res.s_per_step
                         results.append(asdict(res))
