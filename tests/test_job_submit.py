@@ -48,7 +48,7 @@ def wait_for_dashboard(url: str, head: subprocess.Popen, log: Path, timeout_s: f
         except urllib.error.HTTPError:
             return  # it answered; 401 when the cluster uses Ray's token authentication (~/.ray/auth_token)
         except OSError:
-            time.sleep(1)
+            time.sleep(0.2)
     raise TimeoutError(f"the dashboard at {url} did not answer in {timeout_s} s:\n{log.read_text()[-3000:]}")
 
 
@@ -76,8 +76,11 @@ def test_submitted_demo_job_writes_its_summary(tmp_path):
     temp_dir = tempfile.mkdtemp(prefix="rrjob", dir="/tmp")
     # Token authentication on, with a token of this test's own: the cluster, `ray job submit` and the job's
     # driver all read it from the environment, whatever ~/.ray/auth_token holds.
+    # No drain on SIGTERM: `ray start --block` would otherwise wait up to 30 s for its idle node to drain before
+    # stopping (stop_head then waits 20 s and kills it); the stop itself is what the test checks.
     env = {**os.environ, "PATH": f"{venv_bin}{os.pathsep}{os.environ['PATH']}", "RAY_TMPDIR": temp_dir,
-           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
+           "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
     env.pop("RAY_AUTH_TOKEN_PATH", None)
     env.pop("RAY_ADDRESS", None)
     log = tmp_path / "head.log"
