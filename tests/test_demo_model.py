@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cluster.demo_model import (
     READY_MARKER,
+    build_cached,
     build_random_model,
     build_tokenizer,
     default_cache_dir,
@@ -154,6 +155,16 @@ def test_prepare_demo_model_rebuilds_a_folder_without_marker(tmp_path):
     (tmp_path / first.split("/")[-1] / READY_MARKER).unlink()
     assert prepare_demo_model(tmp_path, demo, evaluate=False) == first
     assert (tmp_path / first.split("/")[-1] / READY_MARKER).is_file()
+
+
+def test_build_runs_on_one_thread_and_restores_the_count(tmp_path):
+    torch.set_num_threads(2)
+    seen = []
+    folder = build_cached(tmp_path, "k", lambda tmp: seen.append(torch.get_num_threads()) or {})
+    # the build saw one thread (spinning threads on a busy machine cost 6 to 8x); the caller's count is back
+    assert seen == [1] and torch.get_num_threads() == 2
+    assert json.loads((tmp_path / "k" / READY_MARKER).read_text()).keys() == {"warm_start/total_seconds"}
+    assert folder == str(tmp_path / "k")
 
 
 def test_other_settings_get_another_cache_folder(tmp_path):
