@@ -8,6 +8,7 @@ import ray
 import torch
 
 from protocols.config import load_config
+from tests.conftest import at_once
 from tests.test_token_budget_learner import make_batch, normalizer
 
 pytestmark = pytest.mark.slow
@@ -93,10 +94,12 @@ def test_two_sp_ranks_match_one_rank(ray_cluster, tiny_models, preset):
     # padding and chunking alone: test_token_budget_learner compares those paths.)
     common = ["learner.max_tokens_per_micro_batch=16", "learner.packing=true", "learner.logits_chunk_tokens=5",
               *(GSPO if preset == "gspo" else [])]
-    base = run_one_step(path, preset, common)
+    # the two groups run at once (a start is mostly imports and waits)
+    base, sp = at_once((run_one_step, path, preset, common),
+                       (run_one_step, path, preset, ["learner.num_ranks=2", "learner.sequence_parallel_size=2",
+                                                     *common]))
     if preset == "gspo":  # the sequence mask drops some samples' tokens, not all
         assert 0 < base[0]["is_masked"] < base[0]["num_tokens"], base[0]
-    sp = run_one_step(path, preset, ["learner.num_ranks=2", "learner.sequence_parallel_size=2", *common])
     assert sp[0]["learner/micro_batches_max"] == base[0]["learner/micro_batches_max"] > 1
     # each slice runs half of each row: the processed positions add up to the rows, padded to a multiple of 2
     assert base[0]["learner/processed_tokens"] <= sp[0]["learner/processed_tokens"] <= (
@@ -108,10 +111,10 @@ def test_two_data_parallel_groups_of_two_sp_ranks_match_one_rank(ray_cluster, ti
     path = tiny_models["tied"]
     common = ["learner.max_tokens_per_micro_batch=16", "learner.packing=true", "learner.logits_chunk_tokens=5"]
     # with gradient checkpointing: the recomputed forward runs the attention all-to-alls again, on every rank
-    got = run_one_step(path, "grpo", ["learner.num_ranks=4", "learner.sequence_parallel_size=2",
-                                      "learner.gradient_checkpointing=true", *common])
     # Against 2 plain data-parallel ranks (the same split of samples over the 2 groups, the same micro-batches),
-    # and against one rank (other micro-batches: each group plans its own).
-    for name, ranks in (("dp2", 2), ("one rank", 1)):
-        base = run_one_step(path, "grpo", [f"learner.num_ranks={ranks}", *common])
+    # and against one rank (other micro-batches: each group plans its own). The three groups run at once.
+    got, *bases = at_once((run_one_step, path, "grpo", ["learner.num_ranks=4", "learner.sequence_parallel_size=2",
+                                                        "learner.gradient_checkpointing=true", *common]),
+                          *[(run_one_step, path, "grpo", [f"learner.num_ranks={ranks}", *common]) for ranks in (2, 1)])
+    for name, base in zip(("dp2", "one rank"), bases):
         assert_same_step(f"grpo dp2 x sp2 vs {name}", got, base)
