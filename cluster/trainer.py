@@ -121,21 +121,24 @@ class Trainer:
                 cfg, i, self.model_path)
             for i in range(cfg.reference.num_workers)]
         self.reference_counters = CounterPoll(self.reference_workers, "reference", reference_worker_metrics)
-        self.learner = LearnerGroup(cfg, self.model_path, self.placement)
+        # the critic first: the rollout workers are given its ranks
         self.critic = (CriticGroup(cfg, critic_model_path(cfg, self.model_path), self.placement)
                        if cfg.critic.enabled else None)
         if self.critic is not None:
             ray.get(self.controller.set_critic_actor_ids.remote(self.critic.actor_ids()))
-        # checkpoints and the final model are written by these ranks: one folder for all of them, on every node
-        check_run_folder_shared(cfg.output_dir, {"learner": self.learner.ranks,
-                                                 **({"critic": self.critic.ranks} if self.critic else {})},
-                                cfg.fault.worker_start_timeout_s)
+        # The engines start in their actors while the learner group starts here: the two starts overlap (an engine
+        # start and a DeepSpeed group start each take tens of seconds, much of it waiting).
         self.rollout_workers = [
             ray.remote(RolloutWorker).options(**rollout_options(cfg, self.placement, i)).remote(
                 cfg, i, self.model_path, self.controller, self.reward_workers,
                 critic_workers=self.critic.workers if self.critic else None, reference_workers=self.reference_workers)
             for i in range(cfg.rollout.num_workers)
         ]
+        self.learner = LearnerGroup(cfg, self.model_path, self.placement)
+        # checkpoints and the final model are written by these ranks: one folder for all of them, on every node
+        check_run_folder_shared(cfg.output_dir, {"learner": self.learner.ranks,
+                                                 **({"critic": self.critic.ranks} if self.critic else {})},
+                                cfg.fault.worker_start_timeout_s)
         ray.get([w.ping.remote() for w in self.reference_workers])
         ray.get([w.get_version.remote() for w in self.rollout_workers])
         self.learner.join_weight_group(self.rollout_workers)  # nothing to join unless the transport forms a group
