@@ -23,9 +23,11 @@ def _sync_gap(ray_cluster, path: str, overrides: list[str], then=None) -> tuple[
 
     cfg = load_config(None, ["learner.prompts_per_step=2", "rollout.samples_per_prompt=4", "learner.lr=1e-2",
                              "algorithm.preset=dapo", "data.max_prompt_tokens=16", *overrides])
-    learner = LearnerGroup(cfg, path)
+    # the engine starts in its actor while the learner group starts here (the two starts overlap)
     worker = ray.remote(RolloutWorker).options(num_cpus=1).remote(cfg, 0, path)
+    learner = None
     try:
+        learner = LearnerGroup(cfg, path)
         learner.join_weight_group([worker])  # nothing to join for object_store
         batch = make_batch(8, seed=3)
         responses = [batch.response(i) for i in range(batch.num_samples)]
@@ -39,7 +41,8 @@ def _sync_gap(ray_cluster, path: str, overrides: list[str], then=None) -> tuple[
         if then is not None:
             then(path, cfg, learner, worker, batch)
     finally:
-        learner.shutdown()
+        if learner is not None:
+            learner.shutdown()
         ray.kill(worker)
     flat = lambda rows: torch.tensor([x for row in rows for x in row])  # noqa: E731
     gap = (flat(after_vllm) - flat(after_learner)).abs().max().item()
