@@ -11,6 +11,7 @@ import torch
 from learner.objective import count_normalizer
 from protocols.config import load_config
 from protocols.metrics import unknown_names
+from tests.conftest import at_once
 from tests.test_learner_sharding import make_batch
 
 
@@ -148,10 +149,9 @@ def snapshots(group) -> list[dict[str, torch.Tensor]]:
     return ray.get([rank.state_snapshot.remote() for rank in group.ranks])
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("num_ranks,zero_stage,dtype", [(2, 2, "float32"), (1, 3, "bfloat16")])
-def test_nonfinite_loss_skips_the_update_bitwise_and_training_goes_on(ray_cluster, tiny_models, num_ranks,
-                                                                      zero_stage, dtype):
+def steps_around_a_nonfinite_loss(model_path: str, num_ranks: int, zero_stage: int, dtype: str) -> tuple:
+    """A finite step, a step whose loss is NaN on one sample, another finite step, on a real LearnerGroup. Returns
+    their metrics and each rank's state snapshots before and after the NaN step and after the next one."""
     from cluster.learner_group import LearnerGroup
 
     cfg = load_config(None, [f"learner.num_ranks={num_ranks}", f"learner.zero_stage={zero_stage}",
@@ -163,7 +163,7 @@ def test_nonfinite_loss_skips_the_update_bitwise_and_training_goes_on(ray_cluste
     advantages[5, : int(samples.response_lengths[5])] = math.nan
     poisoned = samples.with_fields(advantages=advantages)
     norm = normalizer_of(samples, cfg)
-    group = LearnerGroup(cfg, tiny_models["untied"])
+    group = LearnerGroup(cfg, model_path)
     try:
         first = group.train_step(samples, norm)  # a finite step first, so Adam's moments and step count exist
         before = snapshots(group)
@@ -173,18 +173,27 @@ def test_nonfinite_loss_skips_the_update_bitwise_and_training_goes_on(ray_cluste
         after_later = snapshots(group)
     finally:
         group.shutdown()
-    assert first["learner/skipped_nonfinite"] == 0
-    assert skipped["learner/skipped_nonfinite"] == 1 and math.isnan(skipped["loss"])
-    assert not math.isfinite(skipped["grad_norm_max"])
-    for rank, (b, a) in enumerate(zip(before, after_skip)):
-        assert b.keys() == a.keys() and any(k.startswith("state/") for k in b), rank
-        for key in b:  # weights, fp32 master partitions, Adam moments and step counts: bitwise the same
-            assert torch.equal(b[key], a[key]), (rank, key)
-    # the next finite step trains: the count stays 1 and every rank's weights and moments move
-    assert later["learner/skipped_nonfinite"] == 1 and math.isfinite(later["loss"])
-    for rank, (a, c) in enumerate(zip(after_skip, after_later)):
-        assert any(not torch.equal(a[k], c[k]) for k in a if k.startswith("param/")), rank
-        assert any(not torch.equal(a[k], c[k]) for k in a if k.startswith("state/")), rank
+    return first, skipped, later, before, after_skip, after_later
+
+
+@pytest.mark.slow
+def test_nonfinite_loss_skips_the_update_bitwise_and_training_goes_on(ray_cluster, tiny_models):
+    # 2 ranks under ZeRO-2 in float32, and 1 rank under ZeRO-3 in bfloat16: the two groups run at once
+    settings = [(2, 2, "float32"), (1, 3, "bfloat16")]
+    runs = at_once(*[(steps_around_a_nonfinite_loss, tiny_models["untied"], *s) for s in settings])
+    for setting, (first, skipped, later, before, after_skip, after_later) in zip(settings, runs):
+        assert first["learner/skipped_nonfinite"] == 0, setting
+        assert skipped["learner/skipped_nonfinite"] == 1 and math.isnan(skipped["loss"]), setting
+        assert not math.isfinite(skipped["grad_norm_max"]), setting
+        for rank, (b, a) in enumerate(zip(before, after_skip)):
+            assert b.keys() == a.keys() and any(k.startswith("state/") for k in b), (setting, rank)
+            for key in b:  # weights, fp32 master partitions, Adam moments and step counts: bitwise the same
+                assert torch.equal(b[key], a[key]), (setting, rank, key)
+        # the next finite step trains: the count stays 1 and every rank's weights and moments move
+        assert later["learner/skipped_nonfinite"] == 1 and math.isfinite(later["loss"]), setting
+        for rank, (a, c) in enumerate(zip(after_skip, after_later)):
+            assert any(not torch.equal(a[k], c[k]) for k in a if k.startswith("param/")), (setting, rank)
+            assert any(not torch.equal(a[k], c[k]) for k in a if k.startswith("state/")), (setting, rank)
 
 
 @pytest.mark.slow
