@@ -12,6 +12,7 @@ from learner.objective import PolicyLossInputs, compute_policy_loss, finalize_me
 from learner.update_plan import combine_updates, mini_batch_order
 from protocols.config import ConfigError, load_config
 from protocols.training_batch import TrainingBatch
+from tests.conftest import at_once
 
 
 def make_batch(num_samples: int, seed: int = 0) -> TrainingBatch:
@@ -233,8 +234,9 @@ def test_two_epochs_of_two_mini_batches_match_plain_torch_on_one_and_two_ranks(r
         "2 ranks zero2, token budget": ["learner.num_ranks=2", "learner.max_tokens_per_micro_batch=12"],
     }
     trained = {}
-    for name, overrides in runs.items():
-        metrics, per_update, weights = train_on_ranks(path, overrides)
+    # the two groups run at once
+    results = at_once(*[(train_on_ranks, path, overrides) for overrides in runs.values()])
+    for name, (metrics, per_update, weights) in zip(runs, results):
         trained[name] = weights
         assert metrics["learner/optimizer_steps"] == 4 and metrics["learner/optimizer_steps_total_max"] == 4, name
         # the warm-up counts optimizer steps: the batch's 4 steps use lr 1/4, 2/4, 3/4 and 4/4 of 4e-2 (a schedule

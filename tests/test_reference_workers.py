@@ -101,9 +101,11 @@ def test_reference_worker_matches_the_learners_reference_path(ray_cluster, tiny_
     cfg = load_config(None, ["algorithm.preset=grpo", "model.dtype=float32", "learner.prompts_per_step=2",
                              "rollout.samples_per_prompt=4", "learner.micro_batch_size=8"])
     samples = _samples(8)
-    learner = LearnerGroup(cfg, tiny_models["tied"])
+    # the worker starts in its actor while the learner group starts here
     worker = ray.remote(ReferenceWorker).options(num_cpus=1).remote(cfg, 0, tiny_models["tied"])
+    learner = None
     try:
+        learner = LearnerGroup(cfg, tiny_models["tied"])
         # the in-learner reference: one micro-batch of all 8
         expected = samples.per_sample_rows(learner.ref_logprobs(samples))
         # the stream scores groups of 4 separately (other padding widths): the numbers must not depend on it
@@ -117,7 +119,8 @@ def test_reference_worker_matches_the_learners_reference_path(ray_cluster, tiny_
         stats = ray.get(worker.stats.remote())
     finally:
         ray.kill(worker)
-        learner.shutdown()
+        if learner is not None:
+            learner.shutdown()
     assert [len(r) for r in got] == samples.response_lengths.tolist()
     gap = max(abs(a - b) for row_a, row_b in zip(got, expected) for a, b in zip(row_a, row_b))
     assert gap <= 1e-5, gap

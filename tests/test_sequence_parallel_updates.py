@@ -9,6 +9,7 @@ import torch
 
 from learner.update_plan import mini_batch_order
 from protocols.config import load_config
+from tests.conftest import at_once
 from tests.test_ppo_epochs import EPOCH_OVERRIDES, reference_updates, train_on_ranks
 from tests.test_ppo_epochs import make_batch as epoch_batch
 from tests.test_sequence_parallel_learner import assert_same_step, run_one_step
@@ -60,8 +61,7 @@ def one_streamed_step(model_path: str, overrides: list[str]) -> tuple[dict, dict
 
 def test_streamed_reference_with_two_sp_ranks_matches_one_rank(ray_cluster, tiny_models):
     path = tiny_models["untied"]
-    base = one_streamed_step(path, [])
-    sp = one_streamed_step(path, SP2)
+    base, sp = at_once((one_streamed_step, path, []), (one_streamed_step, path, SP2))  # the two groups at once
     # KL k3 of a reference ~0.3 nats away: about 0.05 a token; beta 0.5 makes its gradient a large part of the step,
     # so a slice of ref_logprobs cut at the wrong columns changes the KL, the gradient norm and the weights
     assert base[0]["kl"] / base[0]["num_tokens"] > 1e-2, base[0]
@@ -69,26 +69,37 @@ def test_streamed_reference_with_two_sp_ranks_matches_one_rank(ray_cluster, tiny
     assert sp[0]["kl"] == pytest.approx(base[0]["kl"], rel=1e-5)
 
 
-def test_streamed_reference_with_sp_matches_the_reference_model_in_the_learner(ray_cluster, tiny_models):
-    """The reference workers' numbers (here: the learner's own scoring of the initial weights, the code path a
-    reference worker runs) streamed into 2 SP ranks give the two steps of one rank that holds the reference model."""
+def two_sp_steps_on_streamed_initial_scores(model_path: str) -> tuple[dict, dict]:
+    """Two grpo steps on 2 SP ranks, with reference log-probs streamed in: the group's own scores of the batches
+    under the initial weights (the code path a reference worker runs). Returns (metrics with the first step's
+    loss and kl, {"ref", "policy", "weights"})."""
     from cluster.learner_group import LearnerGroup
 
-    path = tiny_models["untied"]
-    base = run_one_step(path, "grpo", PACKED)  # one rank, in-learner reference model, two steps
     cfg = grpo_config([*SP2, *STREAMED, *PACKED])
     first, second, probe = make_batch(8, 12, 3), make_batch(8, 12, 5), make_batch(8, 9, 4)
-    group = LearnerGroup(cfg, path)
+    group = LearnerGroup(cfg, model_path)
     try:
         # before the first step the policy is the reference: score every batch with it now
         first, second = (b.with_fields(ref_logprobs=group.policy_logprobs(b)) for b in (first, second))
         out = {"ref": group.policy_logprobs(probe)}
         step1 = group.train_step(first, normalizer(first))
-        metrics = {"first_loss": step1["loss"], **group.train_step(second, normalizer(second))}
+        metrics = {"first_loss": step1["loss"], "first_kl": step1["kl"],
+                   **group.train_step(second, normalizer(second))}
         out.update(policy=group.policy_logprobs(probe), weights=packed_weights(group))
     finally:
         group.shutdown()
-    assert step1["kl"] == pytest.approx(0.0, abs=1e-6)  # the first step's policy is the reference
+    return metrics, out
+
+
+def test_streamed_reference_with_sp_matches_the_reference_model_in_the_learner(ray_cluster, tiny_models):
+    """The reference workers' numbers (here: the learner's own scoring of the initial weights, the code path a
+    reference worker runs) streamed into 2 SP ranks give the two steps of one rank that holds the reference model."""
+    path = tiny_models["untied"]
+    # the two groups run at once; the one-rank run (in-learner reference model, two steps) is test_sequence_parallel
+    # _learner's grpo case, run once per session
+    base, (metrics, out) = at_once((run_one_step, path, "grpo", PACKED),
+                                   (two_sp_steps_on_streamed_initial_scores, path))
+    assert metrics.pop("first_kl") == pytest.approx(0.0, abs=1e-6)  # the first step's policy is the reference
     assert_same_step("grpo sp2 streamed vs one rank with the reference model", (metrics, out), base)
 
 
@@ -97,8 +108,8 @@ def test_two_epochs_of_two_mini_batches_with_two_sp_ranks_match_one_rank(ray_clu
 
     path = tiny_models["untied"]
     budget = ["learner.max_tokens_per_micro_batch=12", "learner.packing=true"]
-    base_metrics, base_updates, base = train_on_ranks(path, budget)
-    metrics, per_update, weights = train_on_ranks(path, [*SP2, *budget])
+    (base_metrics, base_updates, base), (metrics, per_update, weights) = at_once(  # the two groups at once
+        (train_on_ranks, path, budget), (train_on_ranks, path, [*SP2, *budget]))
     assert metrics["learner/optimizer_steps"] == 4 and metrics["learner/optimizer_steps_total_max"] == 4
     assert [m["learner/lr_max"] for m in per_update] == pytest.approx([1e-2, 2e-2, 3e-2, 4e-2])
     # every update's samples, each counted once although two ranks hold slices of them

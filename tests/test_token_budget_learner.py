@@ -8,6 +8,7 @@ import torch
 from learner.objective import count_normalizer
 from protocols.config import load_config
 from protocols.training_batch import TrainingBatch
+from tests.conftest import at_once
 
 pytestmark = pytest.mark.slow
 
@@ -52,8 +53,6 @@ def run_two_steps(model_path: str, overrides: list[str]) -> tuple[list[dict], di
 
 def test_token_budget_and_packing_match_one_big_micro_batch(ray_cluster, tiny_models):
     path = tiny_models["tied"]
-    base, base_out = run_two_steps(path, ["learner.micro_batch_size=8", "learner.logits_chunk_tokens=0"])
-    assert [m["learner/micro_batches_max"] for m in base] == [1, 1]
     variants = {
         "budget 1 rank": ["learner.max_tokens_per_micro_batch=12"],
         "budget 2 ranks zero2 packed": ["learner.num_ranks=2", "learner.max_tokens_per_micro_batch=12",
@@ -61,8 +60,12 @@ def test_token_budget_and_packing_match_one_big_micro_batch(ray_cluster, tiny_mo
         "budget 2 ranks zero3 packed": ["learner.num_ranks=2", "learner.zero_stage=3", "learner.packing=true",
                                         "learner.max_tokens_per_micro_batch=12", "learner.logits_chunk_tokens=5"],
     }
-    for name, overrides in variants.items():
-        metrics, out = run_two_steps(path, overrides)
+    # the four groups (6 rank processes) run at once
+    (base, base_out), *runs = at_once((run_two_steps, path, ["learner.micro_batch_size=8",
+                                                             "learner.logits_chunk_tokens=0"]),
+                                      *[(run_two_steps, path, overrides) for overrides in variants.values()])
+    assert [m["learner/micro_batches_max"] for m in base] == [1, 1]
+    for name, (metrics, out) in zip(variants, runs):
         # 8 samples of 3 to 19 tokens at a budget of 12: several micro-batches, more in step 2 than in step 1
         counts = [m["learner/micro_batches_max"] for m in metrics]
         assert 1 < counts[0] < counts[1], (name, counts)
