@@ -2,7 +2,7 @@
 order of a run: pure tests first, then the real-stack (slow) ones, those that replace the session's Ray last."""
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import pytest
@@ -28,6 +28,23 @@ def at_once(*calls: tuple) -> list:
     with ThreadPoolExecutor(len(calls)) as pool:
         futures = [pool.submit(function, *args) for function, *args in calls]
         return [future.result() for future in futures]
+
+
+def start_together(*factories) -> list:
+    """The objects `factories` (callables without arguments, each starting an actor group: a LearnerGroup, a
+    CriticGroup, ...) return, built in threads at the same time, as at_once runs calls. If one start fails, the
+    groups that did start are shut down (they hold placement bundles later tests need) before its error is
+    raised."""
+    with ThreadPoolExecutor(len(factories)) as pool:
+        futures = [pool.submit(factory) for factory in factories]
+        wait(futures)
+    failed = [future.exception() for future in futures if future.exception() is not None]
+    if failed:
+        for future in futures:
+            if future.exception() is None:
+                future.result().shutdown()
+        raise failed[0]
+    return [future.result() for future in futures]
 
 
 TEST_ENV_VARS = {"DS_ACCELERATOR": "cpu", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}

@@ -269,6 +269,7 @@ def test_learner_state_on_two_ranks_loads_into_a_new_group_that_continues_like_t
 
     from cluster.learner_group import LearnerGroup
     from learner.objective import count_normalizer
+    from tests.conftest import start_together
     from tests.test_learner_sharding import make_batch
 
     cfg = load_config(None, ["learner.num_ranks=2", f"learner.zero_stage={zero_stage}", "learner.prompts_per_step=2",
@@ -285,19 +286,21 @@ def test_learner_state_on_two_ranks_loads_into_a_new_group_that_continues_like_t
 
     folder = tmp_path / "learner"
     folder.mkdir()
-    uninterrupted = LearnerGroup(cfg, tiny_models["untied"])
+    # Both groups start at once (a start is mostly imports and waits); the second touches nothing until it loads
+    # the first one's saved state, which restores its weights, Adam moments and RNG states.
+    uninterrupted, resumed = start_together(lambda: LearnerGroup(cfg, tiny_models["untied"]),
+                                            lambda: LearnerGroup(cfg, tiny_models["untied"]))
     try:
-        step(uninterrupted, seed=0)
-        saved = uninterrupted.save_state(str(folder))
-        draws = ray.get([r.__ray_call__.remote(_rng_draw) for r in uninterrupted.ranks])
-        step(uninterrupted, seed=1)
-        expected = weights(uninterrupted)
-    finally:
-        uninterrupted.shutdown()
-    # one Adam step taken on each rank's partition, with a moment that moved
-    assert [d["step"] for d in saved] == [1.0, 1.0] and all(d["exp_avg_abs_sum"] > 0 for d in saved)
-    resumed = LearnerGroup(cfg, tiny_models["untied"])
-    try:
+        try:
+            step(uninterrupted, seed=0)
+            saved = uninterrupted.save_state(str(folder))
+            draws = ray.get([r.__ray_call__.remote(_rng_draw) for r in uninterrupted.ranks])
+            step(uninterrupted, seed=1)
+            expected = weights(uninterrupted)
+        finally:
+            uninterrupted.shutdown()
+        # one Adam step taken on each rank's partition, with a moment that moved
+        assert [d["step"] for d in saved] == [1.0, 1.0] and all(d["exp_avg_abs_sum"] > 0 for d in saved)
         loaded = resumed.load_state(str(folder))
         assert ray.get([r.__ray_call__.remote(_rng_draw) for r in resumed.ranks]) == draws
         step(resumed, seed=1)
