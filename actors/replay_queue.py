@@ -87,7 +87,8 @@ class ReplayQueue:
     def generated_metrics(self) -> dict[str, float]:
         """Lengths of every sample received since the last call, trained or dropped (`generated/` metrics), then
         forgets them: the trained batch alone hides what the policy writes for problems it never solves."""
-        samples, self._generated = list(self._generated), deque(maxlen=GENERATED_WINDOW)
+        samples = list(self._generated)
+        self._generated.clear()
         if not samples:
             return {"generated/samples": 0.0}
         lengths = [n for n, _ in samples]
