@@ -44,7 +44,7 @@ class CriticRank(DeepSpeedRank):
         from transformers import AutoModel
 
         cfg, c = self.cfg, self.cfg.critic
-        self._join_process_group(deepspeed.init_distributed, master_addr, master_port,
+        self._join_process_group(deepspeed, master_addr, master_port,
                                  "nccl" if self.use_cuda else "gloo")
         dtype = DTYPES[cfg.model.dtype]
         # AutoModel loads the causal LM's body and skips its LM head (the critic never needs the vocabulary).

@@ -75,7 +75,7 @@ class LearnerRank(DeepSpeedRank, RankCheckpoint, RankWeights):
 
         cfg = self.cfg
         backend = cfg.learner.backend if cfg.learner.backend != "auto" else ("nccl" if self.use_cuda else "gloo")
-        self._join_process_group(deepspeed.init_distributed, master_addr, master_port, backend)
+        self._join_process_group(deepspeed, master_addr, master_port, backend)
         dtype = DTYPES[cfg.model.dtype]
         attn = attention_implementation(self.use_cuda, cfg.learner.packing or self.sp > 1, dtype)
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype, attn_implementation=attn,

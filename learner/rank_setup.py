@@ -44,15 +44,27 @@ class DeepSpeedRank:
         that every rank sees the run folder it writes checkpoints and the final model into."""
         return read_probe(path)
 
-    def _join_process_group(self, init_distributed, master_addr: str, master_port: int, backend: str) -> None:
+    def _join_process_group(self, deepspeed, master_addr: str, master_port: int, backend: str) -> None:
         """Join the group's process group, then seed torch the same on every rank (train.seed).
-        `init_distributed` is deepspeed.init_distributed, passed in because only the rank files import DeepSpeed."""
+        `deepspeed` is the module, passed in because only the rank files import DeepSpeed."""
         os.environ.update({"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": "0",
                            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
-        init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
-                         rank=self.rank, world_size=self.world_size,
-                         init_method=f"tcp://{master_addr}:{master_port}")
+        init_distributed(deepspeed, backend, self.rank, self.world_size, f"tcp://{master_addr}:{master_port}")
         torch.manual_seed(self.cfg.train.seed)
+
+
+SHM_INFERENCE_OP = "deepspeed_shm_comm"
+"""DeepSpeed's shared-memory all-reduce for CPUs: its inference kernel (`inference_all_reduce`), which training
+never calls."""
+
+
+def init_distributed(deepspeed, backend: str, rank: int, world_size: int, init_method: str) -> None:
+    """deepspeed.init_distributed without the shared-memory inference op. DeepSpeed builds that op whenever a
+    process group starts on a CPU, a C++ compile (about 50 s on 2 cores) on a fresh machine and again whenever
+    the environment's path changes (the build is keyed on its include paths); nothing here uses it."""
+    deepspeed.ops.__compatible_ops__[SHM_INFERENCE_OP] = False
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False, rank=rank,
+                               world_size=world_size, init_method=init_method)
 
 
 def deepspeed_config(gradient_accumulation_steps: int, max_grad_norm: float, zero_stage: int, dtype: str) -> dict:

@@ -1,6 +1,7 @@
 """DeepSpeed learner ranks: the same global batch gives the same loss and update on 1 or 2 ranks, ZeRO 2 and 3."""
 
 import pytest
+import ray
 import torch
 
 from learner.objective import count_normalizer
@@ -73,8 +74,13 @@ def test_saved_model_round_trips_under_zero3_with_tied_embeddings(ray_cluster, t
     group = LearnerGroup(cfg, tiny_models["tied"])
     try:
         group.save_hf(str(tmp_path / "saved"))
+        # the ranks joined their group without DeepSpeed's shared-memory inference op (learner/rank_setup.py):
+        # nothing here calls it, and building it is a C++ compile
+        shm_ops = ray.get([rank.__ray_call__.remote(lambda _: __import__("deepspeed").comm.comm.cdb.shm_comm_op)
+                           for rank in group.ranks])
     finally:
         group.shutdown()
+    assert shm_ops == [None, None]
     original = AutoModelForCausalLM.from_pretrained(tiny_models["tied"]).state_dict()
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "saved").state_dict()
     assert saved.keys() == original.keys()

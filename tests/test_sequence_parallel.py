@@ -341,11 +341,11 @@ def _deepspeed_worker(rank: int, world_size: int, port: int, folder: str, out_pa
     from deepspeed.utils import safe_get_full_grad
     from transformers import AutoModelForCausalLM
 
+    from learner.rank_setup import init_distributed
     from learner.sequence_parallel_rank import deepspeed_loss_scale, enable_sequence_parallel
 
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0", "DS_ACCELERATOR": "cpu"})
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False, rank=rank,
-                               world_size=world_size, init_method=f"tcp://127.0.0.1:{port}")
+    init_distributed(deepspeed, "gloo", rank, world_size, f"tcp://127.0.0.1:{port}")
     load = dict(attn_implementation="sdpa", dtype=torch.float32)
     baseline = AutoModelForCausalLM.from_pretrained(folder, **load)
     model = AutoModelForCausalLM.from_pretrained(folder, **load)
