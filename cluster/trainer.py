@@ -306,7 +306,8 @@ class Trainer:
         }
         folder.write_summary(summary)
         folder.close()
-        plot_after_run(folder.path)  # PNG figures of metrics.jsonl in RUN_DIR/plots (cluster/plots.py)
+        if cfg.logging.plots:
+            plot_after_run(folder.path)  # PNG figures of metrics.jsonl in RUN_DIR/plots (cluster/plots.py)
         return summary
 
     def save_checkpoint(self, run_dir: Path) -> Path:

@@ -50,7 +50,7 @@ def test_long_rollouts_train_with_partial_rollouts_and_flat_learner_memory(ray_c
 
     model = build_talkative_model(tmp_path / "model")
     cfg = load_config(None, [
-        f"output_dir={tmp_path / 'run'}", f"model.path={model}", "model.dtype=float32",
+        f"output_dir={tmp_path / 'run'}", "logging.plots=false", f"model.path={model}", "model.dtype=float32",
         "algorithm.preset=dapo", "algorithm.dynamic_sampling=false",  # a random model earns no reward signal
         "learner.prompts_per_step=2", "rollout.samples_per_prompt=2", f"rollout.max_response_tokens={MAX_RESPONSE}",
         "train.max_staleness=1", "train.partial_rollouts=true", "rollout.prompts_in_flight=2",

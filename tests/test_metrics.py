@@ -113,7 +113,8 @@ def test_short_run_logs_reward_worker_counters_and_eval_sets(ray_cluster, tmp_pa
     from protocols.config import load_config
 
     cfg = load_config(None, [
-        f"output_dir={tmp_path}", "train.steps=4", "train.eval_every=2", "train.eval_sets=[demo]",
+        f"output_dir={tmp_path}", "logging.plots=false",
+        "train.steps=4", "train.eval_every=2", "train.eval_sets=[demo]",
         "train.eval_samples=2", "learner.prompts_per_step=4", "rollout.samples_per_prompt=4",
         "data.num_eval_prompts=16", "train.max_staleness=0", "reward.num_workers=2"])
     trainer = Trainer(cfg)
@@ -123,6 +124,7 @@ def test_short_run_logs_reward_worker_counters_and_eval_sets(ray_cluster, tmp_pa
         trainer.shutdown()
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 4
+    assert not (tmp_path / "plots").exists()  # logging.plots=false (test_tools_run's run draws them)
     names = ("samples", "error_exception", "error_timeout", "error_crash", "process_restarts", "seconds_per_sample",
              "reward_mean", "correct_rate")
     assert all(f"reward_worker/{n}" in r for r in rows for n in names)

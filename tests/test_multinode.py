@@ -99,7 +99,8 @@ def test_gpu_placement_groups_reserve_on_the_pinned_nodes(three_nodes):
 
 def test_demo_job_trains_across_nodes(three_nodes, tmp_path):
     cfg = load_config(None, [
-        f"output_dir={tmp_path}", "train.steps=80", "learner.prompts_per_step=16", "rollout.samples_per_prompt=8",
+        f"output_dir={tmp_path}", "logging.plots=false",
+        "train.steps=80", "learner.prompts_per_step=16", "rollout.samples_per_prompt=8",
         "data.num_eval_prompts=200", "cluster.learner_resources={learner_node: 1}",
         "cluster.rollout_resources={rollout_node: 1}"])
     trainer = Trainer(cfg)
@@ -132,7 +133,8 @@ def test_ppo_with_reference_and_critic_on_their_nodes_checkpoints_and_resumes(th
     """Every role of a ppo run pinned across the three nodes (learner and critic on the learner node, rollout and
     reference workers on the rollout node, reward worker on the head); a checkpoint written by ranks on another
     node than the driver's; the run resumed from it on the same cluster."""
-    settings = [f"output_dir={tmp_path}", "algorithm.preset=ppo", "critic.num_workers=1", "reference.num_workers=1",
+    settings = [f"output_dir={tmp_path}", "logging.plots=false",
+                "algorithm.preset=ppo", "critic.num_workers=1", "reference.num_workers=1",
                 "train.save_every=3", "learner.prompts_per_step=8", "rollout.samples_per_prompt=8",
                 "data.num_eval_prompts=20", "cluster.learner_resources={learner_node: 0.5}",
                 "critic.resources={learner_node: 0.5}", "cluster.rollout_resources={rollout_node: 0.5}",

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 def demo_config(tmp_path: Path, *overrides: str):
     return load_config(None, [
         f"output_dir={tmp_path}", "learner.prompts_per_step=8", "rollout.samples_per_prompt=8",
-        "data.num_eval_prompts=100", *overrides])
+        "data.num_eval_prompts=100", "logging.plots=false", *overrides])
 
 
 def test_on_policy_run_trains_only_current_samples_and_raises_reward(ray_cluster, tmp_path):

@@ -21,7 +21,8 @@ def test_short_ppo_run_stamps_values_on_every_trajectory_and_a_dead_critic_past_
 
     # fault.max_replacements=0 (no death in the run itself): a critic rank killed after the run is one death too
     # many, so the error path is checked on the same Trainer (restarts themselves: tests/test_worker_failure.py)
-    cfg = load_config(None, [f"output_dir={tmp_path}", "algorithm.preset=ppo", "critic.num_workers=1",
+    cfg = load_config(None, [f"output_dir={tmp_path}", "logging.plots=false",
+                             "algorithm.preset=ppo", "critic.num_workers=1",
                              "train.steps=4", "train.max_staleness=1", "learner.prompts_per_step=4",
                              "rollout.samples_per_prompt=4", "data.num_eval_prompts=20", "fault.max_replacements=0"])
     trainer = Trainer(cfg)

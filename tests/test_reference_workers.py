@@ -160,7 +160,8 @@ def test_grpo_run_trains_on_streamed_ref_logprobs_without_a_learner_copy(ray_clu
 
     # fault.max_replacements=0 (no death in the run itself): a reference worker killed afterwards is one death too
     # many, so the error path is checked here; replacement itself: tests/test_worker_failure.py
-    cfg = load_config(None, [f"output_dir={tmp_path}", "algorithm.preset=grpo", "reference.num_workers=1",
+    cfg = load_config(None, [f"output_dir={tmp_path}", "logging.plots=false",
+                             "algorithm.preset=grpo", "reference.num_workers=1",
                              "train.steps=3", "train.max_staleness=0", "learner.prompts_per_step=2",
                              "rollout.samples_per_prompt=4", "data.num_eval_prompts=8", "fault.max_replacements=0"])
     trainer = Trainer(cfg)

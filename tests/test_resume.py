@@ -194,7 +194,8 @@ def saved_adam_state(learner_dir: Path) -> dict:
 @pytest.mark.slow
 def test_a_run_killed_after_a_checkpoint_resumes_and_trains_every_group_once(tmp_path):
     run_dir = tmp_path / "run"
-    settings = [f"output_dir={run_dir}", "train.steps=6", "train.save_every=2", "train.keep_checkpoints=2",
+    settings = [f"output_dir={run_dir}", "logging.plots=false",
+                "train.steps=6", "train.save_every=2", "train.keep_checkpoints=2",
                 "learner.prompts_per_step=4", "rollout.samples_per_prompt=4", "data.num_eval_prompts=16",
                 "train.max_staleness=1", "rollout.prompts_in_flight=8", "algorithm.preset=grpo"]
     first = run_cli(settings, tmp_path / "first.log")

@@ -124,7 +124,8 @@ def test_training_run_with_a_tensor_parallel_engine_and_collective_sync(ray_clus
     """End to end: one rollout engine of two tensor-parallel ranks fed by the collective transport."""
     from cluster.trainer import Trainer
 
-    cfg = load_config(None, [f"output_dir={tmp_path}", "train.steps=4", "learner.prompts_per_step=4",
+    cfg = load_config(None, [f"output_dir={tmp_path}", "logging.plots=false",
+                             "train.steps=4", "learner.prompts_per_step=4",
                              "rollout.samples_per_prompt=4", "data.num_eval_prompts=16", "train.max_staleness=1",
                              "rollout.tensor_parallel_size=2", "weight_sync.type=collective"])
     trainer = Trainer(cfg)
