@@ -10,6 +10,7 @@ import torch
 
 from learner.objective import count_normalizer
 from protocols.config import load_config
+from tests.conftest import at_once
 from tests.test_learner_sharding import make_batch
 
 pytestmark = pytest.mark.slow
@@ -91,25 +92,26 @@ def _probe_check(found: dict, path: str, cfg, learner, worker, batch) -> None:
 
 
 @pytest.mark.parametrize("transport", ["object_store", "collective"])
-@pytest.mark.parametrize("variant", ["tied", "untied"])
-def test_vllm_matches_learner_after_update_and_push(ray_cluster, tiny_models, variant, transport):
-    # bucket_mb=1: the tiny model (about 1.3 MB of fp32) travels in more than one bucket. On the tied model the
-    # same engine then runs the weight-sync check on a whole load and on a load with one tensor left out.
+def test_vllm_matches_learner_after_update_and_push(ray_cluster, tiny_models, transport):
+    """Tied and untied embeddings, each with its own engine and learner group, started at once (conftest
+    at_once). bucket_mb=1: the tiny model (about 1.3 MB of fp32) travels in more than one bucket. On the tied model
+    the same engine then runs the weight-sync check on a whole load and on a load with one tensor left out."""
     found: dict = {}
-    then = (lambda *args: _probe_check(found, *args)) if variant == "tied" else None
-    gap, moved, published = _sync_gap(ray_cluster, tiny_models[variant],
-                                      [f"weight_sync.type={transport}", "weight_sync.bucket_mb=1"], then)
-    assert (published["refs"] == []) == (transport == "collective")
-    assert gap < 1e-4, f"{variant}/{transport}: vLLM and learner log-probs differ by {gap} after the push"
-    # lr 1e-2 moves log-probs far more than the tolerance, so a push that did nothing cannot pass
-    assert moved > 1e-2, f"{variant}/{transport}: the update moved vLLM's log-probs by only {moved}"
-    if found:
-        print(f"weight-sync check {transport}: gaps {found}")
-        tolerance = 1e-3  # the float32 default
-        assert found["clean"] < tolerance and found["clean_after"] < tolerance, found
-        assert found["corrupted"] > tolerance, found
-        assert "policy version 2" in found["message"] and "rollout worker 0" in found["message"]
-        assert found["checks"] == 3
+    overrides = [f"weight_sync.type={transport}", "weight_sync.bucket_mb=1"]
+    results = at_once((_sync_gap, ray_cluster, tiny_models["tied"], overrides,
+                       lambda *args: _probe_check(found, *args)),
+                      (_sync_gap, ray_cluster, tiny_models["untied"], overrides))
+    for variant, (gap, moved, published) in zip(("tied", "untied"), results):
+        assert (published["refs"] == []) == (transport == "collective")
+        assert gap < 1e-4, f"{variant}/{transport}: vLLM and learner log-probs differ by {gap} after the push"
+        # lr 1e-2 moves log-probs far more than the tolerance, so a push that did nothing cannot pass
+        assert moved > 1e-2, f"{variant}/{transport}: the update moved vLLM's log-probs by only {moved}"
+    print(f"weight-sync check {transport}: gaps {found}")
+    tolerance = 1e-3  # the float32 default
+    assert found["clean"] < tolerance and found["clean_after"] < tolerance, found
+    assert found["corrupted"] > tolerance, found
+    assert "policy version 2" in found["message"] and "rollout worker 0" in found["message"]
+    assert found["checks"] == 3
 
 
 def test_tensor_parallel_engine_loads_pushed_weights_on_every_rank(ray_cluster, tiny_models):
