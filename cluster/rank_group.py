@@ -12,6 +12,11 @@ from cluster.learner_failure import gather_ranks
 from cluster.placement import Placement
 from protocols.config import RunConfig
 
+RANK_ENV = {"TORCHDYNAMO_DISABLE": "1"}
+"""Environment of every rank, on top of the job's. The ranks compile nothing, but DeepSpeed's ZeRO optimizers
+import its Muon module, whose @torch.compile decorators load TorchInductor: about 1.5 s of a rank's start (of
+about 10 s on a CPU), paid again by every rank of every group."""
+
 
 def rendezvous_address(_rank0, all_on_one_node: bool) -> tuple[str, int]:
     """Runs inside rank 0's actor: a free port on its own node (a port free on the driver's node may be taken
@@ -34,8 +39,8 @@ class RankGroup:
         `start_timeout_s` (None: no limit), raising TimeoutError that names `timeout_setting`."""
         self.role = role
         self.placement = placement
-        self.ranks = [ray.remote(actor_class).options(**opts).remote(cfg, r, len(options), model_path)
-                      for r, opts in enumerate(options)]
+        self.ranks = [ray.remote(actor_class).options(**opts, runtime_env={"env_vars": RANK_ENV})
+                      .remote(cfg, r, len(options), model_path) for r, opts in enumerate(options)]
         one_node = placement is None or len(set(placement.bundle_nodes(role))) == 1
         try:
             # __ray_call__ runs the function inside rank 0's own process, so the port is free on rank 0's node.

@@ -78,9 +78,13 @@ def test_saved_model_round_trips_under_zero3_with_tied_embeddings(ray_cluster, t
         # nothing here calls it, and building it is a C++ compile
         shm_ops = ray.get([rank.__ray_call__.remote(lambda _: __import__("deepspeed").comm.comm.cdb.shm_comm_op)
                            for rank in group.ranks])
+        # and without TorchInductor, which DeepSpeed's ZeRO-3 optimizer would load for a Muon it does not run
+        # (cluster/rank_group.py RANK_ENV)
+        inductor = ray.get([rank.__ray_call__.remote(lambda _: "torch._inductor.compile_fx" in __import__("sys").modules)
+                            for rank in group.ranks])
     finally:
         group.shutdown()
-    assert shm_ops == [None, None]
+    assert shm_ops == [None, None] and inductor == [False, False]
     original = AutoModelForCausalLM.from_pretrained(tiny_models["tied"]).state_dict()
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "saved").state_dict()
     assert saved.keys() == original.keys()
