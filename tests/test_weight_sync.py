@@ -95,7 +95,8 @@ def _probe_check(found: dict, path: str, cfg, learner, worker, batch) -> None:
 def test_vllm_matches_learner_after_update_and_push(ray_cluster, tiny_models, transport):
     """Tied and untied embeddings (and for the collective transport a tensor-parallel engine), each with its own
     engine and learner group, started at once (conftest at_once). bucket_mb=1: the tiny model (about 1.3 MB of
-    fp32) travels in more than one bucket. On the tied model the same engine then runs the weight-sync check on a whole load and on a load with one tensor left out."""
+    fp32) travels in more than one bucket. On the tied model the same engine then runs the weight-sync check on a
+    whole load and on a load with one tensor left out."""
     found: dict = {}
     overrides = [f"weight_sync.type={transport}", "weight_sync.bucket_mb=1"]
     calls = [(_sync_gap, ray_cluster, tiny_models["tied"], overrides, lambda *args: _probe_check(found, *args)),
