@@ -1,5 +1,6 @@
 """Metrics in one place (protocols/metrics.py): the merge rule, the names, the log record; and in a real short
-run, the reward workers' counters and the evaluation sets reaching metrics.jsonl and the summary."""
+run with a tool offered, the reward workers' counters, the evaluation sets and the tools/* metrics reaching
+metrics.jsonl and the summary."""
 
 import json
 import math
@@ -107,8 +108,11 @@ def test_run_folder_writes_through_the_module(tmp_path):
 
 
 @pytest.mark.slow
-def test_short_run_logs_reward_worker_counters_and_eval_sets(ray_cluster, tmp_path):
-    """4 DAPO steps on the demo, evaluation of the `demo` set at step 2 and after training with 2 samples."""
+def test_short_run_logs_reward_worker_counters_eval_sets_and_tool_metrics(ray_cluster, tmp_path):
+    """4 DAPO steps on the demo with the calculator offered, evaluation of the `demo` set at step 2 and after
+    training with 2 samples. The untrained demo model cannot write a call's tags, so every sample is one turn with
+    no call; the tools/* metrics are there all the same (one run for all: a Trainer's start costs more than its
+    steps)."""
     from cluster.trainer import Trainer
     from protocols.config import load_config
 
@@ -116,7 +120,7 @@ def test_short_run_logs_reward_worker_counters_and_eval_sets(ray_cluster, tmp_pa
         f"output_dir={tmp_path}", "logging.plots=false",
         "train.steps=4", "train.eval_every=2", "train.eval_sets=[demo]",
         "train.eval_samples=2", "learner.prompts_per_step=4", "rollout.samples_per_prompt=4",
-        "data.num_eval_prompts=16", "train.max_staleness=0", "reward.num_workers=2"])
+        "data.num_eval_prompts=16", "train.max_staleness=0", "reward.num_workers=2", "tools.builtin=[calculator]"])
     trainer = Trainer(cfg)
     try:
         summary = trainer.run()
@@ -124,7 +128,14 @@ def test_short_run_logs_reward_worker_counters_and_eval_sets(ray_cluster, tmp_pa
         trainer.shutdown()
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 4
-    assert not (tmp_path / "plots").exists()  # logging.plots=false (test_tools_run's run draws them)
+    assert not (tmp_path / "plots").exists()  # logging.plots=false (tests/test_plots.py draws the tool figures)
+    # tools/*: each logged step and their totals in the summary
+    for row in rows:
+        assert row["tools/turns_per_sample"] == 1.0 + row["tools/calls_per_sample"]
+        assert 0 <= row["tools/call_rate"] <= 1 and 0 <= row["tools/token_share"] < 1
+        assert {"tools/errors_unknown_tool", "tools/errors_exception", "tools/errors_timeout",
+                "tools/truncated_outputs", "tools/malformed_calls", "tools/max_turns_share"} <= set(row)
+    assert set(summary["tools"]) == {k for k in rows[0] if k.startswith("tools/")}
     names = ("samples", "error_exception", "error_timeout", "error_crash", "process_restarts", "seconds_per_sample",
              "reward_mean", "correct_rate")
     assert all(f"reward_worker/{n}" in r for r in rows for n in names)

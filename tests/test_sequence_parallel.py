@@ -419,12 +419,16 @@ def _versus_deepspeed_ulysses(groups) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_deepspeed_zero2_engine_sums_sp_gradients_and_averages_dp(sp_models, tmp_path, world_size):
+def test_deepspeed_zero2_engine_sums_sp_gradients_and_averages_dp(sp_models, tmp_path, monkeypatch, world_size):
     """sp 2 over 2 ranks (dp 1) and over 4 ranks (dp 2, each DP group with its own samples): DeepSpeed reduces over
     all ranks of the SP mpu and divides by dp, so with the loss share scaled by dp the step applies the gradient of
     the whole batch, clipped by its norm."""
     import torch.multiprocessing as mp
 
+    from cluster.rank_group import RANK_ENV
+
+    for name, value in RANK_ENV.items():  # the workers start as the learner's ranks do (no TorchInductor)
+        monkeypatch.setenv(name, value)
     out = tmp_path / "result.pt"
     mp.spawn(_deepspeed_worker, args=(world_size, _free_port(), sp_models["kv1"], str(out)), nprocs=world_size,
              join=True)

@@ -47,8 +47,13 @@ def _setup(tiny_models, transport: str):
     cfg = load_config(None, ["learner.prompts_per_step=2", "rollout.samples_per_prompt=4", "learner.lr=1e-3",
                              "algorithm.preset=dapo", "data.max_prompt_tokens=16", f"weight_sync.type={transport}",
                              "weight_sync.delta=true", "weight_sync.bucket_mb=1", "weight_sync.verify_every=0"])
-    learner = LearnerGroup(cfg, tiny_models["tied"])
+    # the engine starts in its actor while the learner group starts here (the two starts overlap)
     worker = ray.remote(DeltaWorker).options(num_cpus=1).remote(cfg, 0, tiny_models["tied"])
+    try:
+        learner = LearnerGroup(cfg, tiny_models["tied"])
+    except BaseException:
+        ray.kill(worker)
+        raise
     learner.join_weight_group([worker])
     return cfg, learner, worker
 
