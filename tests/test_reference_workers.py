@@ -178,7 +178,9 @@ def test_grpo_run_trains_on_streamed_ref_logprobs_without_a_learner_copy(ray_clu
         ray.kill(trainer.reference_workers[0])
         trainer.supervisor.start_runs()
         with pytest.raises(WorkerLost, match=r"reference worker 0 died .*fault.max_replacements=0 allows no more"):
-            trainer._wait_for_batch()
+            # groups the reference scored before its death may still fill a batch or two; the next wait meets it
+            for _ in range(20):
+                trainer._wait_for_batch()
         ray.get(trainer.controller.stop.remote())
         ray.get(trainer.supervisor.run_refs, timeout=60)
     finally:
