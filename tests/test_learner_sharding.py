@@ -80,8 +80,8 @@ def test_saved_model_round_trips_under_zero3_with_tied_embeddings(ray_cluster, t
                            for rank in group.ranks])
         # and without TorchInductor, which DeepSpeed's ZeRO-3 optimizer would load for a Muon it does not run
         # (cluster/rank_group.py RANK_ENV)
-        inductor = ray.get([rank.__ray_call__.remote(lambda _: "torch._inductor.compile_fx" in __import__("sys").modules)
-                            for rank in group.ranks])
+        loaded = lambda _: "torch._inductor.compile_fx" in __import__("sys").modules  # noqa: E731
+        inductor = ray.get([rank.__ray_call__.remote(loaded) for rank in group.ranks])
     finally:
         group.shutdown()
     assert shm_ops == [None, None] and inductor == [False, False]

@@ -1,6 +1,6 @@
 """Worker failure: a killed rollout, reward or reference worker is replaced, a killed critic rank restarts the
 critic group, and the run finishes with every group accounted for; a non-finite loss skips the update on every
-learner rank, bitwise."""
+learner rank, bitwise; a dead learner rank stops the next step with an error naming it."""
 
 import math
 import re
