@@ -18,6 +18,7 @@ import torch
 from learner.batch_plan import plan_one_shard
 from learner.rank_setup import attention_implementation
 from learner.shard_scoring import score_shard
+from learner.startup_heap import frozen_after_imports
 from protocols.config import RunConfig
 from protocols.training_batch import TrainingBatch
 from protocols.trajectory import TrajectoryGroup
@@ -30,7 +31,8 @@ forwards, and seconds spent scoring."""
 
 class ReferenceWorker:
     def __init__(self, cfg: RunConfig, worker_index: int, model_path: str) -> None:
-        from transformers import AutoModelForCausalLM
+        with frozen_after_imports():
+            from transformers import AutoModelForCausalLM
 
         self.cfg = cfg
         self.worker_index = worker_index

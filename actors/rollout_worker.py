@@ -22,6 +22,7 @@ from actors.score_router import ScoreRouter
 from actors.vllm_weights import load_checkpoint_weights, tensor_parallel_engine_args
 from actors.weight_probe_requests import ProbingEngine
 from actors.worker_policy import PolicySettings, WorkerPolicy
+from learner.startup_heap import frozen_after_imports
 from learner.weight_backends import weight_backend
 from protocols.config import RunConfig
 from protocols.trajectory import Prompt
@@ -52,7 +53,8 @@ class RolloutWorker:
                  reward_workers: list | None = None, critic_workers: list | None = None,
                  reference_workers: list | None = None) -> None:
         configure_vllm_env(cfg)
-        from vllm import LLM
+        with frozen_after_imports():
+            from vllm import LLM
 
         self.cfg = cfg
         self.worker_id = worker_id

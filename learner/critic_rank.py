@@ -15,6 +15,7 @@ from learner.lr_schedule import warmup_factor
 from learner.micro_batches import sample_count_micro_batches
 from learner.rank_setup import DTYPES, DeepSpeedRank, deepspeed_config
 from learner.shard_scoring import collate_micro_batch
+from learner.startup_heap import frozen_after_imports
 from learner.value_loss import clipped_value_loss
 from learner.value_model import ValueModel, response_values
 from protocols.config import RunConfig
@@ -40,8 +41,9 @@ class CriticRank(DeepSpeedRank):
         """Join the critic's process group and build its DeepSpeed engine. Every rank must call it together.
         module_state: full weights (`module_state()` of a rank of an earlier group) to start from instead of
         model_path's; version: the update count to continue from (a restarted group keeps its version)."""
-        import deepspeed
-        from transformers import AutoModel
+        with frozen_after_imports():
+            import deepspeed
+            from transformers import AutoModel
 
         cfg, c = self.cfg, self.cfg.critic
         self._join_process_group(deepspeed, master_addr, master_port,

@@ -42,6 +42,7 @@ from learner.rank_setup import (
     reset_peak_memory,
 )
 from learner.shard_scoring import collate_micro_batch, micro_batch, score_shard
+from learner.startup_heap import frozen_after_imports
 from learner.sequence_parallel import (
     gather_sequence,
     pack_row,
@@ -70,8 +71,9 @@ class LearnerRank(DeepSpeedRank, RankCheckpoint, RankWeights):
 
     def setup(self, master_addr: str, master_port: int) -> int:
         """Join the process group and build the DeepSpeed engine. All ranks must call it together."""
-        import deepspeed
-        from transformers import AutoModelForCausalLM
+        with frozen_after_imports():
+            import deepspeed
+            from transformers import AutoModelForCausalLM
 
         cfg = self.cfg
         backend = cfg.learner.backend if cfg.learner.backend != "auto" else ("nccl" if self.use_cuda else "gloo")
