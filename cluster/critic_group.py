@@ -102,8 +102,10 @@ def critic_options(cfg: RunConfig, placement: Placement | None, index: int) -> d
 
 
 class CriticGroup:
-    def __init__(self, cfg: RunConfig, model_path: str, placement: Placement | None = None) -> None:
-        """Start critic.num_workers ranks from `model_path` (see critic_model_path) and join their group."""
+    def __init__(self, cfg: RunConfig, model_path: str, placement: Placement | None = None,
+                 join: bool = True) -> None:
+        """Start critic.num_workers ranks from `model_path` (see critic_model_path) and join their group
+        (join=False: the caller calls `join()`, after starting other actors while these start)."""
         self.cfg = cfg
         self.model_path = model_path
         self.placement = placement
@@ -116,19 +118,25 @@ class CriticGroup:
         self.ranks: list = []
         self.all_actor_ids: list[str] = []
         """Actor ids of every rank this group started, restarted ones included (see actor_ids)."""
-        self._start(None, 0)
         self._pings: dict = {}
+        self._start(None, 0, join)
 
-    def _start(self, module_state, version: int) -> None:
+    def _start(self, module_state, version: int, join: bool = True) -> None:
         """Start every rank in its bundle and join them in a new process group (DeepSpeed engines built), each
         from `module_state` (an object ref of full weights) or the model folder; within fault.worker_start_timeout_s."""
         cfg, n = self.cfg, self.cfg.critic.num_workers
-        limit = cfg.fault.worker_start_timeout_s
         self.group = RankGroup(CriticWorker, "critic", cfg, self.model_path,
                                [critic_options(cfg, self.placement, r) for r in range(n)],
-                               setup_args=(module_state, version), placement=self.placement, start_timeout_s=limit)
+                               setup_args=(module_state, version), placement=self.placement,
+                               start_timeout_s=cfg.fault.worker_start_timeout_s, join=False)
         self.ranks = self.group.ranks
-        self.all_actor_ids += ray.get(self.group.call("actor_id"), timeout=limit)
+        if join:
+            self.join()
+
+    def join(self) -> None:
+        """Join the started ranks into their process group (see RankGroup.join) and record their actor ids."""
+        self.group.join()
+        self.all_actor_ids += ray.get(self.group.call("actor_id"), timeout=self.cfg.fault.worker_start_timeout_s)
 
     def dead_rank(self) -> tuple[int, BaseException] | None:
         """(rank, error) of a critic rank that died, or None; never blocks (one ping in flight per rank). The

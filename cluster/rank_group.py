@@ -32,24 +32,32 @@ def rendezvous_address(_rank0, all_on_one_node: bool) -> tuple[str, int]:
 class RankGroup:
     def __init__(self, actor_class: type, role: str, cfg: RunConfig, model_path: str, options: list[dict],
                  setup_args: tuple = (), placement: Placement | None = None, start_timeout_s: float | None = None,
-                 timeout_setting: str = "fault.worker_start_timeout_s") -> None:
+                 timeout_setting: str = "fault.worker_start_timeout_s", join: bool = True) -> None:
         """Start one actor of `actor_class` per entry of `options` (its Ray options), rank r as
-        `actor_class(cfg, r, num_ranks, model_path)`, then join them: rank 0 picks the rendezvous port on its
-        own node and every rank runs `setup(master, port, *setup_args)` together. Waits at most
-        `start_timeout_s` (None: no limit), raising TimeoutError that names `timeout_setting`."""
+        `actor_class(cfg, r, num_ranks, model_path)`, then join them (`join`; join=False leaves that to the
+        caller, so that other actors can start while these do)."""
         self.role = role
         self.placement = placement
         self.ranks = [ray.remote(actor_class).options(**opts, runtime_env={"env_vars": RANK_ENV})
                       .remote(cfg, r, len(options), model_path) for r, opts in enumerate(options)]
-        one_node = placement is None or len(set(placement.bundle_nodes(role))) == 1
+        self._join_args = (setup_args, start_timeout_s, timeout_setting)
+        if join:
+            self.join()
+
+    def join(self) -> None:
+        """Rank 0 picks the rendezvous port on its own node and every rank runs `setup(master, port, *setup_args)`
+        together. Waits at most `start_timeout_s` (None: no limit), raising TimeoutError that names
+        `timeout_setting`."""
+        setup_args, start_timeout_s, timeout_setting = self._join_args
+        one_node = self.placement is None or len(set(self.placement.bundle_nodes(self.role))) == 1
         try:
             # __ray_call__ runs the function inside rank 0's own process, so the port is free on rank 0's node.
             master, port = ray.get(self.ranks[0].__ray_call__.remote(rendezvous_address, one_node),
                                    timeout=start_timeout_s)
             ray.get([rank.setup.remote(master, port, *setup_args) for rank in self.ranks], timeout=start_timeout_s)
         except ray.exceptions.GetTimeoutError as err:
-            raise TimeoutError(f"the {role} ranks did not start within {timeout_setting}={start_timeout_s}; raise "
-                               "it, or check that their placement bundles' resources were freed") from err
+            raise TimeoutError(f"the {self.role} ranks did not start within {timeout_setting}={start_timeout_s}; "
+                               "raise it, or check that their placement bundles' resources were freed") from err
 
     def __len__(self) -> int:
         return len(self.ranks)

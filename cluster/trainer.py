@@ -121,13 +121,11 @@ class Trainer:
                 cfg, i, self.model_path)
             for i in range(cfg.reference.num_workers)]
         self.reference_counters = CounterPoll(self.reference_workers, "reference", reference_worker_metrics)
-        # the critic first: the rollout workers are given its ranks
-        self.critic = (CriticGroup(cfg, critic_model_path(cfg, self.model_path), self.placement)
+        # the critic's ranks first (the rollout workers are given them), joined into their group below
+        self.critic = (CriticGroup(cfg, critic_model_path(cfg, self.model_path), self.placement, join=False)
                        if cfg.critic.enabled else None)
-        if self.critic is not None:
-            ray.get(self.controller.set_critic_actor_ids.remote(self.critic.actor_ids()))
-        # The engines start in their actors while the learner group starts here: the two starts overlap (an engine
-        # start and a DeepSpeed group start each take tens of seconds, much of it waiting).
+        # The engines start in their actors while the learner group and the critic's start here: the starts
+        # overlap (an engine start and a DeepSpeed group start each take tens of seconds, much of it waiting).
         self.rollout_workers = [
             ray.remote(RolloutWorker).options(**rollout_options(cfg, self.placement, i)).remote(
                 cfg, i, self.model_path, self.controller, self.reward_workers,
@@ -135,6 +133,9 @@ class Trainer:
             for i in range(cfg.rollout.num_workers)
         ]
         self.learner = LearnerGroup(cfg, self.model_path, self.placement)
+        if self.critic is not None:  # no group is scored before the run starts: the ids are known before any fails
+            self.critic.join()
+            ray.get(self.controller.set_critic_actor_ids.remote(self.critic.actor_ids()))
         # checkpoints and the final model are written by these ranks: one folder for all of them, on every node
         check_run_folder_shared(cfg.output_dir, {"learner": self.learner.ranks,
                                                  **({"critic": self.critic.ranks} if self.critic else {})},
