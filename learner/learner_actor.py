@@ -42,7 +42,6 @@ from learner.rank_setup import (
     reset_peak_memory,
 )
 from learner.shard_scoring import collate_micro_batch, micro_batch, score_shard
-from learner.startup_heap import frozen_after_imports
 from learner.sequence_parallel import (
     gather_sequence,
     pack_row,
@@ -52,6 +51,7 @@ from learner.sequence_parallel import (
     sequence_parallel_scores,
     shard_row,
 )
+from learner.startup_heap import frozen_after_imports
 from protocols.config import RunConfig
 from protocols.training_batch import TrainingBatch
 
