@@ -63,7 +63,7 @@ class AgentLoop:
             return FINISHED  # a plain answer (or the budget ran out mid-call)
         if isinstance(parsed, MalformedCall):
             self.counts["malformed_calls"] += 1
-            return FINISHED
+            return Finished(malformed_call=True)
         if sample.requests_ended >= self.cfg.max_turns:
             self.counts["max_turns"] += 1
             return Finished(reason="max_turns")

@@ -28,7 +28,8 @@ from actors.prompt_cursor import PromptCursor
 from actors.replay_queue import ReplayQueue
 from actors.scoring_lists import ScoringLists
 from actors.stream_join import ReferenceFailed, resolve_all, sort_results
-from protocols.trajectory import Prompt, TrajectoryGroup, WeightVersion
+from protocols.trajectory import Prompt, TrajectoryGroup
+from protocols.weight_announcement import WeightAnnouncement
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +65,10 @@ class RolloutController(LeaseBook, ScoringLists):
         self.queue = ReplayQueue(max_staleness, drop_zero_variance)
         self.admitted = 0
         self.stopped = False
-        self._weights: tuple[int, list] = (0, [])
-        """(version, [weights ref]) of the newest published weights."""
-        self.published: list[WeightVersion] = []
+        self._weights = WeightAnnouncement(version=0)
+        """The newest published weights (refs included: the workers load them from it)."""
+        self.published: list[WeightAnnouncement] = []
+        """Every version published, without its refs (an old version's objects are not kept alive)."""
         self.worker_stats: dict[int, dict] = {}
         self.clock = clock
         self.calls: Counter[str] = Counter()
@@ -152,10 +154,9 @@ class RolloutController(LeaseBook, ScoringLists):
         """Workers woken for freed budget since the last call (the simulator delivers their watch replies)."""
         return set(self._woken)
 
-    def latest_weights(self, known_version: int) -> tuple[int, list] | None:
-        """(version, [weights ref]) when newer than `known_version`, else None."""
-        version, refs = self._weights
-        return (version, refs) if version > known_version else None
+    def latest_weights(self, known_version: int) -> WeightAnnouncement | None:
+        """The newest announcement when newer than `known_version`, else None."""
+        return self._weights if self._weights.version > known_version else None
 
     def _wake_waiters(self) -> None:
         """After drops freed budget, wake waiting workers, oldest first, as far as the freed budget reaches."""
@@ -190,6 +191,18 @@ class RolloutController(LeaseBook, ScoringLists):
         self._wake_waiters()
         return group_ids
 
+    def retire_worker(self, worker_id: int) -> list[str]:
+        """A worker leaving the pool (cluster/rollout_pool.py `resize`): it is granted nothing more, and the groups
+        it holds still come back as usual (`release_worker` ends those left). Returns them."""
+        self.calls["retire_worker"] += 1
+        self.lost_workers.add(worker_id)
+        self._waiting.pop(worker_id, None)
+        return self.leases_of(worker_id)
+
+    def set_num_workers(self, num_workers: int) -> None:
+        """The rollout pool's size after a resize: the fair share at max_staleness 0 divides among them."""
+        self.num_workers = num_workers
+
     # --- scored and dropped groups ------------------------------------------------------------------------
     def _put(self, group: TrajectoryGroup) -> bool:
         if not self._end_lease(group.group_id):
@@ -219,12 +232,12 @@ class RolloutController(LeaseBook, ScoringLists):
         self._wake_waiters()  # stale drops free budget
         return batch
 
-    def publish(self, weights: WeightVersion, refs: list) -> None:
-        """Make `weights.version` the newest weights. `refs` is a list so Ray passes the object refs through
-        unresolved (the tensors stay in the object store until a worker loads them)."""
+    def publish(self, weights: WeightAnnouncement) -> None:
+        """Make `weights.version` the newest weights. Its refs sit inside the record, so Ray passes the object refs
+        through unresolved (the tensors stay in the object store until a worker loads them)."""
         self.calls["publish"] += 1
-        self._weights = (weights.version, refs)
-        self.published.append(weights)
+        self._weights = weights
+        self.published.append(weights.model_copy(update={"refs": []}))
         # every worker's watch returns with the new weights; after loading them it asks again
         self._waiting.clear()
         self._woken.clear()

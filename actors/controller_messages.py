@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protocols.trajectory import Prompt
+from protocols.weight_announcement import WeightAnnouncement
 
 
 @dataclass
@@ -40,8 +41,8 @@ class SyncRequest:
 @dataclass
 class SyncReply:
     stop: bool
-    weights: tuple[int, list] | None
-    """(version, [weights ref]) when newer than the request's version; then nothing is granted, since a worker
+    weights: WeightAnnouncement | None
+    """The newest weights when newer than the request's version; then nothing is granted, since a worker
     loads new weights before it takes more work (the admission rule is per version)."""
     granted: list[tuple[str, Prompt]] = field(default_factory=list)
     starved: bool = False
@@ -71,5 +72,5 @@ class SyncReply:
 @dataclass
 class WatchReply:
     stop: bool
-    weights: tuple[int, list] | None
+    weights: WeightAnnouncement | None
     budget_freed: bool = False

@@ -27,6 +27,8 @@ class CounterPoll:
         self.pending: dict = {}  # ref -> worker index
         self.total: dict[str, float] = {}
         """Raw counters of every answer so far (the run's totals for summary.json)."""
+        self.leaving: list = []
+        """`counters()` refs of workers that left the pool (a resize): merged at the next read, then forgotten."""
 
     def read(self, wait_s: float = 0.0) -> dict[str, float]:
         """Metrics of the counters that arrived (waiting at most `wait_s` for outstanding ones)."""
@@ -34,17 +36,19 @@ class CounterPoll:
         for i, worker in enumerate(self.workers):
             if i not in asked:
                 self.pending[worker.counters.remote()] = i
-        if not self.pending:
+        leaving, self.leaving = self.leaving, []
+        if not self.pending and not leaving:
             return {}
-        ready, _ = ray.wait(list(self.pending), num_returns=len(self.pending), timeout=wait_s)
+        ready, _ = (ray.wait(list(self.pending), num_returns=len(self.pending), timeout=wait_s) if self.pending
+                    else ([], []))
         arrived = []
-        for ref in ready:
-            index = self.pending.pop(ref)
+        for ref in [*leaving, *ready]:
+            index = self.pending.pop(ref, "(left the pool)")
             try:
                 arrived.append(ray.get(ref))
             except ray.exceptions.RayError as err:
                 # a dead worker's counts since its last answer are lost with it; the supervisor replaces it
-                log.warning("%s worker %d's counters could not be read (%s); left out", self.role, index,
+                log.warning("%s worker %s's counters could not be read (%s); left out", self.role, index,
                             type(err).__name__)
         self.total = combine_metrics([self.total, *arrived])
         return self.to_metrics(arrived)
@@ -52,3 +56,8 @@ class CounterPoll:
     def totals(self) -> dict[str, float]:
         """Metrics of every counter read over the run."""
         return self.to_metrics([self.total])
+
+    def leave(self, workers: list) -> None:
+        """Ask `workers`, which are leaving the pool (a resize), for their last counts: call before they are told to
+        exit, so the answers come before the exit (the next `read` merges them)."""
+        self.leaving += [worker.counters.remote() for worker in workers]

@@ -33,6 +33,8 @@ class Finished:
 
     reason: FinishReason | None = None
     """Overrides the engine's finish reason (e.g. `max_turns`); None keeps the engine's (`stop` or `length`)."""
+    malformed_call: bool = False
+    """The last turn tried a tool call that did not parse (Trajectory.malformed_call)."""
 
 
 @dataclass(frozen=True)
@@ -252,7 +254,7 @@ class DecodeLoop:
             response_token_ids=sample.response_token_ids, behavior_logprobs=sample.behavior_logprobs,
             token_versions=sample.token_versions, response_text=sample.response_text,
             finish_reason=decision.reason or engine_reason,
-            worker_id=self.worker_id, tool_calls=sample.tool_calls or None,
+            worker_id=self.worker_id, tool_calls=sample.tool_calls or None, malformed_call=decision.malformed_call,
         )
         if not group.done:
             return None

@@ -23,7 +23,8 @@ class LeaseBook:
         (so the same sampling seeds), before any new prompt and outside the admission budget they already hold."""
         self.late_after_release = 0
         self.lost_workers: set[int] = set()
-        """Rollout worker ids declared dead; they are granted nothing more (a replacement takes a new id)."""
+        """Rollout worker ids declared dead or drained out of the pool; they are granted nothing more (a replacement
+        takes a new id)."""
 
     def _lease(self, group_id: str, prompt: Prompt, worker_id: int, now: float) -> None:
         self.leases[group_id] = (worker_id, now)

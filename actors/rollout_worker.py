@@ -23,10 +23,11 @@ from actors.vllm_weights import load_checkpoint_weights, tensor_parallel_engine_
 from actors.weight_probe_requests import ProbingEngine
 from actors.worker_policy import PolicySettings, WorkerPolicy
 from learner.startup_heap import frozen_after_imports
-from learner.weight_backends import weight_backend
 from protocols.config import RunConfig
 from protocols.trajectory import Prompt
+from protocols.weight_announcement import WeightAnnouncement
 from protocols.weight_probe import check_probe_fits, run_probe
+from weights.backends import weight_backend
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ class RolloutWorker:
         self.versions_seen: list[int] = [0]
         self.sync_seconds = 0.0
         self.receiver = weight_backend(cfg).receiver(cfg)
-        """The configured transport's receiver (learner/transport_*.py); a group-forming one is joined later."""
+        """The configured transport's receiver (weights/backends.py); a group-forming one is joined later."""
 
     # --- weights -----------------------------------------------------------------------------------------------
     def join_weight_group(self, info: dict) -> int:
@@ -122,14 +123,15 @@ class RolloutWorker:
         self.receiver.join(info)
         return info["rank"]
 
-    def load_weights(self, version: int, refs: list) -> float:
+    def load_weights(self, announcement: WeightAnnouncement) -> float:
         """Load announced weights in place (no engine restart), at a safe point of the caller's choosing: the
         run loop calls it between decode steps. The collective backend may hand over a newer version than the
         one announced (it already arrived); the worker then stamps tokens with that one. Returns seconds spent."""
-        if version <= self.version:
-            raise ValueError(f"worker {self.worker_id}: weight version {version} is not newer than {self.version}")
+        if announcement.version <= self.version:
+            raise ValueError(f"worker {self.worker_id}: weight version {announcement.version} is not newer than "
+                             f"{self.version}")
         start = time.perf_counter()
-        version = self.receiver.load(version, refs, lambda weights: load_checkpoint_weights(self.llm, [
+        version = self.receiver.load(announcement, lambda weights: load_checkpoint_weights(self.llm, [
             (name, tensor) for name, tensor in weights if name != self.skip_on_load]))
         self.version = version
         self._probe_weights(version)
@@ -219,7 +221,7 @@ class RolloutWorker:
                 break
             newer = policy.weights_to_load(len(decoding.active))
             if newer:
-                self.load_weights(*newer)
+                self.load_weights(newer)
                 # the collective backend may have handed over a newer version than the one announced
                 policy.loaded(self.version)
                 continue  # ask for work at the new version before the next step

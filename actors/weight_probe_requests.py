@@ -3,7 +3,7 @@
 
 `ProbingEngine` wraps the engine for the decode loop (actors/decode_loop.py): it forwards every call and keeps
 the probe's outputs out of the loop. A finished probe becomes a result {version, digest, logprobs} that the
-worker puts in its reports; the driver compares it with the learner's (cluster/weight_check.py). A probe whose
+worker puts in its reports; the driver compares it with the learner's (weights/sync_check.py). A probe whose
 weights change before it is scored (a newer version loaded meanwhile) is dropped, never compared.
 """
 

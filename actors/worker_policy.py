@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 from actors.controller_messages import SyncReply, SyncRequest, WatchReply
+from protocols.weight_announcement import WeightAnnouncement
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class WorkerPolicy:
         self.loaded_version = loaded_version
         """The version of the weights in the worker's engine, as the worker reports it (`loaded`); the policy
         version itself is the driver's, and reaches the policy only as newer weights on offer."""
-        self.newer: tuple[int, list] | None = None
+        self.newer: WeightAnnouncement | None = None
         self.stopped = False
         self.starved = False
         """The controller said the admission budget is spent; ask again when woken or after new weights."""
@@ -81,10 +82,10 @@ class WorkerPolicy:
         if group_ids:
             self.dropped.setdefault(reason, []).extend(group_ids)
 
-    def _offer(self, weights: tuple[int, list] | None) -> None:
-        if weights is None or weights[0] <= self.loaded_version:
+    def _offer(self, weights: WeightAnnouncement | None) -> None:
+        if weights is None or weights.version <= self.loaded_version:
             return
-        if self.newer is None or weights[0] > self.newer[0]:
+        if self.newer is None or weights.version > self.newer.version:
             self.newer = weights
 
     # --- decisions -----------------------------------------------------------------------------------------
@@ -132,7 +133,7 @@ class WorkerPolicy:
             self.max_in_flight = max(1, min(self.settings.prompts_in_flight, reply.max_in_flight))
         return reply.granted
 
-    def weights_to_load(self, in_flight: int) -> tuple[int, list] | None:
+    def weights_to_load(self, in_flight: int) -> WeightAnnouncement | None:
         """Newer weights to load at this safe point: at once with partial rollouts, else once drained."""
         if self.stopped or self.newer is None:
             return None
@@ -141,7 +142,7 @@ class WorkerPolicy:
     def loaded(self, version: int) -> None:
         self.loaded_version = version
         self.versions_seen.append(version)
-        if self.newer is not None and self.newer[0] <= version:
+        if self.newer is not None and self.newer.version <= version:
             self.newer = None
         self.starved = False  # the budget grows with the worker's version
 

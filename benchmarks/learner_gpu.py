@@ -62,7 +62,7 @@ from benchmarks._plain_learner import run_plain  # noqa: E402
 def run_ds(cfg, folder: Path, shard, normalizer, port: int, warmup: int, steps: int, res: Result,
            publish: bool, publish_reps: int) -> dict | None:
     from learner.learner_actor import LearnerRank
-    from learner.transport_object_store import pack_state_dict, packed_num_bytes
+    from weights.object_store import pack_state_dict, packed_num_bytes
 
     t0 = time.perf_counter()
     learner = LearnerRank(cfg, rank=0, world_size=1, model_path=str(folder))
@@ -137,7 +137,7 @@ def publish_alternatives(learner, reps: int) -> dict:
     nocopy     {k: v.cpu()}: _full_state_dict without its extra .clone() (.cpu() of a GPU tensor already copies)
     pinned     device-to-host copies into page-locked buffers allocated once and reused for every version
     pinned_untied  as pinned, without the duplicate lm_head of a tied model (a GPU vLLM engine re-ties it)"""
-    from learner.transport_object_store import pack_state_dict, packed_num_bytes
+    from weights.object_store import pack_state_dict, packed_num_bytes
 
     sd = learner.engine.module.state_dict()
     if learner.tied and "lm_head.weight" not in sd:

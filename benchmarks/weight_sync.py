@@ -63,7 +63,7 @@ def qwen2_tensors(shape: str, dtype: torch.dtype, device: str = "cpu", layers: i
 
 
 def _group_info(host: str, port: int, world: int, metas: list, bucket_bytes: int) -> dict:
-    """The join info of learner/transport_collective.py's group_info, on gloo with a 300 s limit."""
+    """The join info of weights/collective.py's group_info, on gloo with a 300 s limit."""
     return {"host": host, "port": port, "world_size": world, "backend": "gloo", "timeout_s": 300.0,
             "bucket_bytes": bucket_bytes, "metas": metas}
 
@@ -89,7 +89,7 @@ class Sender:
             return "127.0.0.1", s.getsockname()[1]
 
     def join(self, host: str, port: int, world: int, bucket_bytes: int) -> None:
-        from learner.transport_collective import CollectiveSender
+        from weights.collective import CollectiveSender
 
         self.collective = CollectiveSender(None, on_gpu=False)
         self.collective.join(_group_info(host, port, world, self.metas(), bucket_bytes), torch.device("cpu"))
@@ -97,7 +97,7 @@ class Sender:
     def publish_object_store(self) -> list:
         import ray
 
-        from learner.transport_object_store import host_arrays
+        from weights.object_store import host_arrays
 
         # As LearnerRank.publish_weights on CPU under ZeRO-2: the parameters are put as they are.
         return [ray.put(host_arrays(iter(self.weights), None))]
@@ -114,13 +114,13 @@ class Receiver:
     """A rollout worker's side, without the engine: the real receiver classes."""
 
     def __init__(self) -> None:
-        from learner.transport_object_store import ObjectStoreReceiver
+        from weights.object_store import ObjectStoreReceiver
 
         torch.set_num_threads(1)
         self.receiver = ObjectStoreReceiver(None)
 
     def join(self, host: str, port: int, rank: int, world: int, metas: list, bucket_bytes: int) -> None:
-        from learner.transport_collective import CollectiveReceiver
+        from weights.collective import CollectiveReceiver
 
         self.receiver.close()
         self.receiver = CollectiveReceiver(None)
@@ -130,11 +130,13 @@ class Receiver:
         def apply(weights: list) -> None:
             assert len(weights) > 0
 
-        return self.receiver.load(version, refs, apply)
+        from protocols.weight_announcement import WeightAnnouncement
+
+        return self.receiver.load(WeightAnnouncement(version=version, refs=refs), apply)
 
     def leave(self) -> None:
         self.receiver.close()
-        from learner.transport_object_store import ObjectStoreReceiver
+        from weights.object_store import ObjectStoreReceiver
 
         self.receiver = ObjectStoreReceiver(None)
 
@@ -200,7 +202,7 @@ def adamw_versions(shape: str, layers: int | None, lr: float, steps: int, seed: 
     published, as a DeepSpeed bf16 learner publishes them."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from learner.weight_delta import PreviousWeights
+    from weights.delta import PreviousWeights
 
     hidden, num_layers, heads, kv_heads, inter = SHAPES[shape]
     config = Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=inter,
@@ -252,7 +254,7 @@ class DeltaSender:
 
     def start(self, transport: str, delta: bool, host: str = "", port: int = 0, world: int = 0,
               bucket_bytes: int = 0) -> None:
-        from learner.weight_backends import weight_backend
+        from weights.backends import weight_backend
         from protocols.config import load_config
 
         cfg = load_config(None, [f"weight_sync.type={transport}", f"weight_sync.delta={str(delta).lower()}",
@@ -273,14 +275,15 @@ class DeltaSender:
         return Sender.address(self)
 
     def publish(self, version: int) -> dict:
-        from learner.weight_delta import apply_delta
+        from weights.delta import apply_delta
 
         start = time.perf_counter()
         if version > 1:  # version 1 is the base; later ones are the trained steps (the learner's step: not timed)
             apply_delta(self.live, self.payloads[version - 2])
         replay_s = time.perf_counter() - start
         published = self.sender.publish(iter(self.live), version)
-        return {**{k: published[k] for k in ("refs", "num_bytes", "seconds")}, "replay_s": replay_s}
+        return {"refs": published.refs, "num_bytes": published.num_bytes, "seconds": published.seconds,
+                "replay_s": replay_s}
 
 
 class DeltaReceiver:
@@ -291,7 +294,7 @@ class DeltaReceiver:
         self.receiver = None
 
     def start(self, transport: str, delta: bool, info: dict | None = None) -> None:
-        from learner.weight_backends import weight_backend
+        from weights.backends import weight_backend
         from protocols.config import load_config
 
         if self.receiver is not None:
@@ -303,7 +306,9 @@ class DeltaReceiver:
 
     def take(self, version: int, refs: list) -> tuple[int, int]:
         """(version held, bytes this worker has read from the object store so far)."""
-        got = self.receiver.load(version, refs, lambda weights: None)
+        from protocols.weight_announcement import WeightAnnouncement
+
+        got = self.receiver.load(WeightAnnouncement(version=version, refs=refs), lambda weights: None)
         return got, getattr(self.receiver, "read_bytes", 0)
 
 
@@ -385,7 +390,7 @@ def run_delta(args) -> None:
 
 def run_host_copy(shape: str, repeats: int) -> None:
     """The object-store sender's host copy on a GPU: reusable page-locked buffers (goal <= 0.1 s for 1.5b)."""
-    from learner.transport_object_store import HostBuffers, host_copy_seconds
+    from weights.object_store import HostBuffers, host_copy_seconds
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     weights = qwen2_tensors(shape, torch.bfloat16, device=device)

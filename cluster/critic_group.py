@@ -22,9 +22,7 @@ from cluster.learner_failure import dead_ranks
 from cluster.rank_group import RankGroup
 from cluster.placement import Placement
 from learner.micro_batches import sample_count_micro_batches
-from learner.objective import gae_targets
 from learner.value_loss import finalize_value_metrics
-from protocols.algorithm import AlgorithmConfig
 from protocols.config import RunConfig
 from protocols.metrics import combine_metrics
 from protocols.training_batch import TrainingBatch
@@ -77,19 +75,6 @@ def check_critic_model(policy_path: str, critic_path: str, trust_remote_code: bo
             f"critic.model_path={critic_path!r} does not share the policy's vocabulary (policy model: "
             f"{policy_path!r}): " + "; ".join(problems) + ". The critic reads the policy's token ids: give a critic "
             "folder built on the same tokenizer, or leave critic.model_path empty to start from the policy")
-
-
-def critic_returns(batch: TrainingBatch, rewards: torch.Tensor, cfg: AlgorithmConfig,
-                   kl: torch.Tensor | None) -> torch.Tensor:
-    """(B, T) GAE returns over the batch's loss tokens from the values the critic stamped in the stream: the
-    critic's regression targets (the values themselves are the clipped loss's old values and GAE's baseline).
-    Raises when the batch has no values (every group must pass through a critic worker)."""
-    if batch.values is None:
-        raise RuntimeError(
-            "a batch reached the learner without critic values: with critic.num_workers > 0 every scored group "
-            "must pass through a critic worker (RolloutWorker critic_workers)")
-    _, returns = gae_targets(rewards, batch.loss_mask, cfg, kl=kl, values=batch.values)
-    return returns
 
 
 def critic_options(cfg: RunConfig, placement: Placement | None, index: int) -> dict:

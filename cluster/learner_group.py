@@ -14,9 +14,10 @@ from learner.batch_plan import BatchPlan, plan_batch
 from learner.learner_actor import LearnerRank
 from learner.objective import LossNormalizer, combine_metrics, count_normalizer, finalize_metrics, needs_proximal_logprobs
 from learner.update_plan import combine_updates, mini_batch_order
-from learner.weight_backends import weight_backend
 from protocols.config import RunConfig
 from protocols.training_batch import TrainingBatch
+from protocols.weight_announcement import WeightAnnouncement
+from weights.backends import weight_backend
 from cluster.placement import Placement, create_placement
 from cluster.rank_group import RankGroup
 from cluster.ray_setup import learner_options
@@ -116,7 +117,8 @@ class LearnerGroup:
         """(B, T) current-policy log-probs at temperature 1 (the weight-sync check's probe)."""
         return self._score("probe_logprobs", batch)
 
-    def publish_weights(self, version: int = 0) -> dict:
+    def publish_weights(self, version: int = 0) -> WeightAnnouncement:
+        """Rank 0's announcement of `version` (every rank takes part: under ZeRO-3 the weights are gathered)."""
         return self._gather(self.group.call("publish_weights", version), "a weight publish")[0]
 
     def join_weight_group(self, engines: list) -> dict:

@@ -46,7 +46,8 @@ from cluster.sim_scenario import (  # noqa: F401  (re-exported: the benchmarks a
 )
 from cluster.sim_dispatch import GroupDispatch, PriorityWaiting
 from cluster.sim_tools import EngineTools, ToolTurns
-from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup, WeightVersion
+from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup
+from protocols.weight_announcement import WeightAnnouncement
 
 LEGACY_IDLE_SLEEP_S = 0.003
 """The old worker loop's sleep between controller polls while its engine had nothing to decode."""
@@ -87,7 +88,7 @@ class _Engine:
     active: dict = field(default_factory=dict)
     segment: tuple[float, float, int, int] | None = None
     """(start time, seconds per step, steps at start, steps at end) of the decode run now going."""
-    loading: tuple[int, list] | None = None
+    loading: WeightAnnouncement | None = None
     exited: bool = False
     token: int = 0
     timer_at: float = math.inf
@@ -281,7 +282,7 @@ class Simulation(ToolTurns):
             self._poke(e, now)
 
     def _synced(self, e: _Engine, now: float) -> None:
-        version = e.loading[0]
+        version = e.loading.version
         if version <= e.policy.loaded_version:
             raise RuntimeError(f"engine {e.worker_id} would load version {version} over {e.policy.loaded_version}")
         e.policy.loaded(version)
@@ -393,7 +394,7 @@ class Simulation(ToolTurns):
     def _learner_done(self, now: float) -> None:
         self.learner_busy = False
         self.learner_version += 1
-        self.controller.publish(WeightVersion(version=self.learner_version), [])
+        self.controller.publish(WeightAnnouncement(version=self.learner_version))
         self.step_ends.append(now)
         self.decoded_at_step.append(self.decoded)
         if self.learner_version == self.cfg.steps:

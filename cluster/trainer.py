@@ -15,50 +15,31 @@ import torch
 from tqdm import tqdm
 
 from actors.controller import ControllerActor
-from actors.counter_poll import CounterPoll
-from actors.reference_worker import ReferenceWorker
-from actors.reward_worker import RewardWorker
-from actors.rollout_worker import RolloutWorker
 from cluster import checkpoint
-from cluster.critic_group import CriticGroup, check_critic_model, critic_model_path, critic_returns
 from cluster.evaluation import evaluate, evaluate_sets, load_eval_sets
 from cluster.learner_group import LearnerGroup
 from cluster.model_folder import fit_lengths_to_model, resolve_model_path
 from cluster.placement import create_placement, precheck_embedded
 from cluster.plots import plot_after_run
-from cluster.ray_setup import reference_options, reward_options, rollout_options, start_ray
-from cluster.reference_stream import check_streamed_ref_logprobs, reward_kl
+from cluster.pools import check_roles, start_pools
+from cluster.ray_setup import start_ray
 from cluster.run_folder import RunFolder
 from cluster.shared_folder import check_run_folder_shared
 from cluster.supervisor import Supervisor
-from cluster.weight_check import WeightCheck
-from learner.objective import (
-    apply_reward_shaping,
-    compute_advantages,
-    count_normalizer,
-    finalize_metrics,
-    kl_in_reward,
-    needs_ref_logprobs,
-)
-from learner.weight_delta import delta_metrics
+from cluster.worker_pool import PoolContext
+from learner.objective import finalize_metrics
+from learner.prepare import check_ref_logprobs, learner_scores_ref, prepare_batch, staleness_metrics
 from protocols.config import RunConfig, dump_config
-from protocols.metrics import length_metrics, reference_worker_metrics, reward_worker_metrics, rollout_metrics
+from protocols.metrics import length_metrics, rollout_metrics
 from protocols.training_batch import TrainingBatch
-from protocols.trajectory import Trajectory, TrajectoryGroup, WeightVersion
+from protocols.trajectory import TrajectoryGroup
 from rewards.datasets import load_prompts
 from rewards.registry import resolve_verifier
 from rewards.tool_calls import tool_counts, tool_metrics
+from weights.delta import delta_metrics
+from weights.sync_check import WeightCheck
 
 log = logging.getLogger(__name__)
-
-
-def staleness_metrics(trajectories: list[Trajectory], version: int) -> dict[str, float]:
-    lags = [version - t.min_version for t in trajectories]
-    out = {"staleness/mean": sum(lags) / len(lags), "staleness/max": float(max(lags))}
-    for lag, count in sorted(Counter(lags).items()):
-        out[f"staleness/hist_{lag}"] = count / len(lags)
-    out["staleness/mixed_version_frac"] = sum(t.min_version != t.max_version for t in trajectories) / len(lags)
-    return out
 
 
 class Trainer:
@@ -76,9 +57,7 @@ class Trainer:
         resolve_verifier(cfg.reward.verifier)
         precheck_embedded(cfg)
         self.model_path = resolve_model_path(cfg)
-        if cfg.critic.enabled:  # PPO's critic reads the policy's token ids: same tokenizer and vocabulary
-            check_critic_model(self.model_path, critic_model_path(cfg, self.model_path),
-                               cfg.model.trust_remote_code)
+        check_roles(cfg, self.model_path)  # e.g. PPO's critic must share the policy's tokenizer (cluster/pools.py)
         self.cfg = cfg = fit_lengths_to_model(cfg, self.model_path)
         # every actor reads and writes the run folder by this one path, whatever its own working directory
         self.cfg = cfg = cfg.model_copy(update={"output_dir": str(Path(cfg.output_dir).resolve())})
@@ -110,43 +89,25 @@ class Trainer:
             self.train_prompts, cfg.learner.prompts_per_step, cfg.train.max_staleness,
             cfg.algorithm.dynamic_sampling, cfg.train.seed, cfg.rollout.num_workers,
             length_aware=cfg.rollout.length_aware_dispatch)
-        self.reward_workers = [ray.remote(RewardWorker).options(**reward_options(cfg, self.placement, i)).remote(
-                                   cfg.reward, i)
-                               for i in range(cfg.reward.num_workers)]
-        self.reward_counters = CounterPoll(self.reward_workers, "reward", reward_worker_metrics)
-        # reference.num_workers > 0: the frozen reference scores groups on their way to the queue (the learner
-        # ranks then hold no copy of it); 0 keeps it inside the learner.
-        self.reference_workers = [
-            ray.remote(ReferenceWorker).options(**reference_options(cfg, self.placement, i)).remote(
-                cfg, i, self.model_path)
-            for i in range(cfg.reference.num_workers)]
-        self.reference_counters = CounterPoll(self.reference_workers, "reference", reference_worker_metrics)
-        # the critic's ranks first (the rollout workers are given them), joined into their group below
-        self.critic = (CriticGroup(cfg, critic_model_path(cfg, self.model_path), self.placement, join=False)
-                       if cfg.critic.enabled else None)
-        # The engines start in their actors while the learner group and the critic's start here: the starts
-        # overlap (an engine start and a DeepSpeed group start each take tens of seconds, much of it waiting).
-        self.rollout_workers = [
-            ray.remote(RolloutWorker).options(**rollout_options(cfg, self.placement, i)).remote(
-                cfg, i, self.model_path, self.controller, self.reward_workers,
-                critic_workers=self.critic.workers if self.critic else None, reference_workers=self.reference_workers)
-            for i in range(cfg.rollout.num_workers)
-        ]
-        self.learner = LearnerGroup(cfg, self.model_path, self.placement)
-        if self.critic is not None:  # no group is scored before the run starts: the ids are known before any fails
-            self.critic.join()
-            ray.get(self.controller.set_critic_actor_ids.remote(self.critic.actor_ids()))
+        # A pool per role (cluster/pools.py). Every role's actors start, none waited for, while the learner group
+        # starts here; then each pool waits for its own, the critic's ranks first (they join their group). The starts
+        # overlap: an engine start and a DeepSpeed group start each take tens of seconds, much of it waiting.
+        pools = PoolContext(cfg, self.controller, self.placement, self.model_path)
+        self.pools = start_pools(pools)
+        self.learner = pools.learner = LearnerGroup(cfg, self.model_path, self.placement)
+        for pool in self.pools.values():
+            pool.ready()
         # checkpoints and the final model are written by these ranks: one folder for all of them, on every node
-        check_run_folder_shared(cfg.output_dir, {"learner": self.learner.ranks,
-                                                 **({"critic": self.critic.ranks} if self.critic else {})},
+        writers = {name: pool.writers() for name, pool in self.pools.items() if pool.writers()}  # the critic's
+        check_run_folder_shared(cfg.output_dir, {"learner": self.learner.ranks, **writers},
                                 cfg.fault.worker_start_timeout_s)
-        ray.get([w.ping.remote() for w in self.reference_workers])
-        ray.get([w.get_version.remote() for w in self.rollout_workers])
+        # the pools' own lists (replacements and resizes change them in place), by the names the loop reads
+        self.rollout_workers = self.pools["rollout"].workers
+        self.reward_workers = self.pools["reward"].workers
+        self.reference_workers = self.pools["reference"].workers
         self.learner.join_weight_group(self.rollout_workers)  # nothing to join unless the transport forms a group
-        # worker failure: health checks, replacements (in these same lists) and bounded waits
-        self.supervisor = Supervisor(cfg, self.placement, self.controller, self.model_path, self.learner,
-                                     self.rollout_workers, self.reward_workers, self.critic,
-                                     self.reference_workers)
+        # worker failure: health checks, replacements and bounded waits, pool by pool
+        self.supervisor = Supervisor(cfg, self.controller, self.pools)
         self.version = 0
         self.trained_group_ids: list[str] = []
         self.accuracy_before: float | None = None
@@ -167,37 +128,24 @@ class Trainer:
         if any(t.min_version < self.version - cfg.train.max_staleness for t in trajectories):
             raise RuntimeError("the queue returned a sample older than train.max_staleness allows")
         batch = TrainingBatch.from_trajectories(trajectories)
-        rewards, sample_mask = apply_reward_shaping(batch.rewards, batch.response_lengths, batch.truncated,
-                                                    cfg.algorithm, cfg.rollout.max_response_tokens)
-        batch = batch.with_sample_mask(sample_mask)
-        if self.reference_workers:  # streamed with the trajectories: a missing one is a bug, named
-            check_streamed_ref_logprobs(trajectories)
-        elif needs_ref_logprobs(cfg.algorithm) and (kl_in_reward(cfg.algorithm) or cfg.learner.ppo_epochs > 1
-                                                    or cfg.learner.mini_batches_per_step > 1):
-            # scored once per step: the KL in the reward and every update of the batch read these
+        check_ref_logprobs(batch, cfg, [t.group_id for t in trajectories])
+        if learner_scores_ref(cfg):  # scored once per step: the KL in the reward and every update read these
             batch = batch.with_fields(ref_logprobs=self.learner.ref_logprobs(batch))
-        kl = reward_kl(batch, cfg.algorithm) if kl_in_reward(cfg.algorithm) else None
-        if self.critic is not None:  # PPO: GAE over the values stamped in the stream; the returns train the critic
-            batch = batch.with_fields(returns=critic_returns(batch, rewards, cfg.algorithm, kl))
-        batch = batch.with_fields(advantages=compute_advantages(
-            rewards, batch.loss_mask, cfg.rollout.samples_per_prompt, cfg.algorithm, kl=kl, values=batch.values))
-        normalizer = count_normalizer(batch.loss_mask, cfg.rollout.max_response_tokens)
+        prepared = prepare_batch(batch, cfg)
+        batch, rewards, normalizer = prepared.batch, prepared.shaped_rewards, prepared.normalizer
         t0 = time.perf_counter()
-        critic_update, critic_metrics = None, {}
-        if self.critic is not None:  # the critic's update runs while the policy's does
-            critic_update = self.critic.start_train(batch)
+        # roles that train beside the policy (PPO's critic) run their updates while the policy's does
+        updates = {name: pool.start_update(batch) for name, pool in self.pools.items()}
         summed = self.learner.train_step(batch, normalizer)
-        if critic_update is not None:
-            critic_metrics = self.critic.finish(critic_update)
-            critic_metrics["critic/staleness_max"] = float(self.version - min(t.critic_version for t in trajectories))
+        pool_metrics = {}
+        for name, pool in self.pools.items():
+            pool_metrics.update(pool.finish_update(updates[name], self.version, groups))
         learner_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         # the supervisor's: a collective broadcast that meets a dead engine is resent after its replacement
         published = self.supervisor.publish_weights(self.version + 1)
         self.version += 1
-        weights = WeightVersion(version=self.version, num_tensors=published["num_tensors"],
-                                num_bytes=published["num_bytes"])
-        ray.get(self.controller.publish.remote(weights, published["refs"]))
+        ray.get(self.controller.publish.remote(published))
         publish_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         self._score_probe()
@@ -205,13 +153,13 @@ class Trainer:
         correct = [bool(t.result and t.result.correct) for t in trajectories]
         num_tokens = int(batch.response_lengths.sum())
         errors = Counter(t.result.error for t in trajectories if t.result and t.result.error)
-        tools = tool_counts(trajectories, cfg.tools) if cfg.tools.enabled else None
+        tools = tool_counts(trajectories) if cfg.tools.enabled else None
         self.tool_totals.update(tools or {})
         return {
             **{f"reward/error_{kind}": count for kind, count in errors.items()},
             **finalize_metrics(summed),
-            **critic_metrics,
-            **staleness_metrics(trajectories, self.version - 1),
+            **pool_metrics,
+            **staleness_metrics(batch, self.version - 1),
             **(tool_metrics(tools) if tools else {}),
             "reward/mean": float(batch.rewards.mean()),
             "reward/shaped_mean": float(rewards.mean()),
@@ -223,7 +171,7 @@ class Trainer:
             "time/learner_s": learner_s,
             "time/publish_s": publish_s,
             "learner/tokens_per_s": num_tokens / max(learner_s, 1e-9),
-            "weights/bytes": published["num_bytes"],
+            "weights/bytes": published.num_bytes,
             **delta_metrics(published),
             **verify,
             "policy_version": self.version,
@@ -256,8 +204,8 @@ class Trainer:
                 metrics.update(ray.get(self.controller.stats.remote(generated=True)))
                 metrics.update(self._rollout_metrics())
                 metrics.update(self.supervisor.metrics())
-                metrics.update(self.reward_counters.read())
-                metrics.update(self.reference_counters.read())
+                for pool in self.pools.values():  # reward and reference workers' counters
+                    metrics.update(pool.read_counters())
                 metrics.update(self.data_counts)
                 folder.log(self.version, metrics)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", acc=f"{metrics['reward/accuracy']:.2f}")
@@ -272,11 +220,11 @@ class Trainer:
         log.warning("held-out accuracy after training: %.3f", accuracy_after)
         eval_after.update(evaluate_sets(self.rollout_workers, self.reward_workers, self.eval_sets, cfg, self.version))
         self.learner.save_hf(folder.final_model_dir)
-        if self.critic is not None:
-            self.critic.save(str(Path(folder.final_model_dir).parent / "final_critic"))
+        for pool in self.pools.values():  # the critic's final_critic beside final_model
+            pool.save_final(Path(folder.final_model_dir).parent)
         stats = ray.get(self.controller.stats.remote())
-        self.reward_counters.read(wait_s=30.0)
-        self.reference_counters.read(wait_s=30.0)
+        for pool in self.pools.values():
+            pool.read_counters(wait_s=30.0)
         wall = self.wall_before + time.perf_counter() - self.job_start
         summary = {
             "accuracy_before": accuracy_before,
@@ -296,9 +244,10 @@ class Trainer:
             **({"weight_sync_check": {"checks": self.weight_check.checks, "max_gap": self.weight_check.max_gap,
                                       "tolerance": self.weight_check.tolerance}} if self.weight_check else {}),
             "learner_skipped_nonfinite": int(metrics.get("learner/skipped_nonfinite", 0)),
-            # every reward worker's counters over the whole run (the metrics.jsonl lines are per logged step)
-            "reward_workers": self.reward_counters.totals(),
-            **({"reference_workers": self.reference_counters.totals()} if self.reference_workers else {}),
+            # every reward (and reference) worker's counters over the whole run (the metrics.jsonl lines are per
+            # logged step): reward_workers, reference_workers
+            **{f"{name}_workers": totals for name, pool in self.pools.items()
+               if (totals := pool.counter_totals()) is not None},
             # tools/* over every trained sample of the run
             **({"tools": tool_metrics(self.tool_totals)} if cfg.tools.enabled else {}),
             "final_model": folder.final_model_dir,
@@ -319,11 +268,10 @@ class Trainer:
             self.learner.save_hf(str(folder / "policy"))
             (folder / "learner").mkdir()
             digests = self.learner.save_state(str(folder / "learner"))
-            critic_version = None
-            if self.critic is not None:  # PPO's value model and its optimizer resume with the policy
-                (folder / "critic").mkdir()
-                critic_version = self.critic.save_state(str(folder / "critic"))
-            state = {"policy_version": self.version, "metrics_step": self.version, "critic_version": critic_version,
+            roles = {}  # e.g. PPO's value model and its optimizer, which resume with the policy
+            for pool in self.pools.values():
+                roles.update(pool.save_state(folder))
+            state = {"policy_version": self.version, "metrics_step": self.version, **roles,
                      "trained_group_ids": self.trained_group_ids, "accuracy_before": self.accuracy_before,
                      "eval_before": self.eval_before, "optimizer_digests": digests,
                      "phase_totals": dict(self.totals), "tool_totals": dict(self.tool_totals),
@@ -343,11 +291,8 @@ class Trainer:
         if loaded != state["optimizer_digests"]:
             raise RuntimeError(f"--resume from {folder}: the learner's optimizer state after loading ({loaded}) "
                                f"differs from the one saved ({state['optimizer_digests']}); the checkpoint is damaged")
-        if self.critic is not None:
-            if state.get("critic_version") is None:
-                raise checkpoint.CheckpointError(f"--resume from {folder}: this run has a critic (critic.num_workers="
-                                                 f"{self.cfg.critic.num_workers}) but the checkpoint holds none")
-            self.critic.load_state(str(folder / "critic"))
+        for pool in self.pools.values():  # e.g. PPO's critic group
+            pool.load_state(folder, state)
         ray.get(self.controller.load_state_dict.remote(state["controller"]))
         self.version = state["policy_version"]
         self.trained_group_ids = list(state["trained_group_ids"])
@@ -357,10 +302,7 @@ class Trainer:
         self.totals = Counter(state.get("phase_totals", {}))
         self.tool_totals = Counter(state.get("tool_totals", {}))
         self.wall_before = float(state.get("wall_seconds", 0.0))
-        published = self.learner.publish_weights(self.version)
-        weights = WeightVersion(version=self.version, num_tensors=published["num_tensors"],
-                                num_bytes=published["num_bytes"])
-        ray.get(self.controller.publish.remote(weights, published["refs"]))
+        ray.get(self.controller.publish.remote(self.learner.publish_weights(self.version)))
         self._score_probe()
         self.resume_report = {"checkpoint": str(folder), "policy_version": self.version,
                               "reissued_groups": len(state["controller"]["in_flight"]), "optimizer_loaded": loaded}
@@ -398,7 +340,8 @@ class Trainer:
         if latest is None:
             return
         versions = ray.get([w.get_version.remote() for w in self.rollout_workers])
-        ray.get([w.load_weights.remote(*latest) for w, v in zip(self.rollout_workers, versions) if v < latest[0]])
+        ray.get([w.load_weights.remote(latest)
+                 for w, v in zip(self.rollout_workers, versions) if v < latest.version])
 
     def _evaluate_midway(self, report: dict | None = None) -> float:
         """Pause generation, evaluate with the newest weights, and restart the workers."""
@@ -416,10 +359,9 @@ class Trainer:
 
     def shutdown(self) -> None:
         self.learner.shutdown()
-        if self.critic is not None:
-            self.critic.shutdown()
-        for actor in [*self.rollout_workers, *self.reward_workers, *self.reference_workers, self.controller]:
-            ray.kill(actor)
+        for pool in self.pools.values():
+            pool.shutdown()
+        ray.kill(self.controller)
         self.placement.remove()
 
 

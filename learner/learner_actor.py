@@ -182,7 +182,7 @@ class LearnerRank(DeepSpeedRank, RankCheckpoint, RankWeights):
 
     def probe_logprobs(self, shard: TrainingBatch, plan: list[list[int]] | None = None) -> torch.Tensor:
         """(B, T) current-policy log-probs at temperature 1, whatever rollout.temperature: what the engine's prompt
-        log-probs are (raw logits), for the weight-sync check's probe (cluster/weight_check.py)."""
+        log-probs are (raw logits), for the weight-sync check's probe (weights/sync_check.py)."""
         self.engine.eval()
         try:
             return self._score_shard(self.engine, shard, plan, temperature=1.0)

@@ -1,5 +1,5 @@
 """A learner rank's weights going out: to the rollout engines (through the sender of the transport that
-`weight_sync.type` names; learner/weight_transport.py) and to a Hugging Face folder.
+`weight_sync.type` names; weights/transport.py) and to a Hugging Face folder.
 
 `LearnerRank` (learner/learner_actor.py) mixes this in, so these stay remote methods of the rank. Under ZeRO-3
 every method that reads the weights is collective: all ranks call it together, since the parameters are
@@ -8,7 +8,9 @@ gathered a bucket at a time.
 
 import torch
 
-from learner.weight_backends import weight_backend
+from protocols.weight_announcement import WeightAnnouncement
+from weights.backends import weight_backend
+from weights.transport import group_address
 
 
 class RankWeights:
@@ -83,14 +85,7 @@ class RankWeights:
 
     def weight_group_address(self) -> tuple[str, int]:
         """Host and a free port on this rank's own node, for the weight group's store (rank 0 serves it)."""
-        import socket
-
-        import ray
-
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return group_address()
 
     def join_weight_group(self, info: dict) -> str:
         """Rank 0 joins the weight group as its rank 0 (the engines join at the same time), for a transport that
@@ -100,10 +95,10 @@ class RankWeights:
         self.weight_sender.join(info, self._device())
         return "joined"
 
-    def publish_weights(self, version: int = 0) -> dict | None:
+    def publish_weights(self, version: int = 0) -> WeightAnnouncement | None:
         """Send the current weights as `version` through the configured transport. Rank 0 returns the
-        announcement {refs, num_tensors, num_bytes, seconds} (object_store: refs holds the one object ref;
-        collective: refs=[], the engines already hold the weights). Other ranks return None."""
+        announcement (object_store: its refs hold the object ref; collective: refs=[], the engines already hold
+        the weights). Other ranks return None."""
         weights = self._iter_weights()
         if self.rank != 0:
             for _ in weights:  # join the ZeRO-3 gathers

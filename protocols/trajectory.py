@@ -117,6 +117,9 @@ class Trajectory(BaseModel):
     tool_calls: list[ToolCall] | None = Field(None, exclude_if=lambda calls: calls is None)
     """The tool calls in order, each with where its output segment lies; None for a single-turn response (so it
     is what it was before multi-turn rollouts, on the wire and on disk)."""
+    malformed_call: bool = Field(False, exclude_if=lambda malformed: not malformed)
+    """The last turn tried a tool call that did not parse (the agent loop's verdict, read by the tools/* metrics):
+    the sample ended there as a plain response (finish reason `stop`)."""
     reward: float = 0.0
     result: VerifierResult | None = None
     """Set by the reward worker; None until scored."""
@@ -228,14 +231,3 @@ class TrajectoryGroup(BaseModel):
                 f"its responses of {[len(t.response_token_ids) for t in self.trajectories]} tokens")
         return self.model_copy(update={"trajectories": [
             t.model_copy(update={"ref_logprobs": list(r)}) for t, r in zip(self.trajectories, ref_logprobs)]})
-
-
-class WeightVersion(BaseModel):
-    """Announces new learner weights. The tensors travel beside it (Ray object store or NCCL), not inside."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    version: int = Field(ge=0)
-    """Policy version: 0 is the initial model; the learner increments it once per optimizer step."""
-    num_tensors: int = Field(0, ge=0)
-    num_bytes: int = Field(0, ge=0)

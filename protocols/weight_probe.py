@@ -3,7 +3,7 @@ after a version is loaded, and the comparison of their log-probs.
 
 Both sides build the same probe from the tokenizer's size and `weight_sync.verify_*` alone (no data, nothing to
 ship): the engine scores it after it loads a checked version (actors/weight_probe_requests.py), the learner
-right after it publishes that version, and the driver compares the two (cluster/weight_check.py). Pure Python.
+right after it publishes that version, and the driver compares the two (weights/sync_check.py). Pure Python.
 """
 
 import zlib

@@ -1,5 +1,5 @@
 """How new weights reach the rollout engines (`weight_sync:` in the run config): the transport, chosen by `type`
-(learner/weight_backends.py is the one place that reads it), and the settings every transport shares: the sync
+(weights/backends.py is the one place that reads it), and the settings every transport shares: the sync
 check (`verify_every`) and delta sync (`delta`). See docs/weight_sync.md.
 """
 
@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 class SyncCheck(BaseModel):
     """The weight-sync check, the same for every transport: after an engine loads a checked version it scores a
     fixed probe (protocols/weight_probe.py), the learner scores it at the same version, and the driver stops the
-    run when the two disagree by more than the tolerance (cluster/weight_check.py; docs/weight_sync.md)."""
+    run when the two disagree by more than the tolerance (weights/sync_check.py; docs/weight_sync.md)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -58,7 +58,7 @@ class ObjectStoreSync(SyncCheck):
     """Under ZeRO-3, parameters are gathered this many MiB at a time (never the whole model at once)."""
 
     delta: bool = False
-    """Send only the elements that changed since the previous version (learner/weight_delta.py), exact bit for bit.
+    """Send only the elements that changed since the previous version (weights/delta.py), exact bit for bit.
     With bf16 weights at RL learning rates few elements change per step (docs/weight_sync.md: measured bytes);
     worth it when engines sit on other nodes than the learner. Costs one host copy of the model on the learner and
     one on each worker, and a full version (one more model copy in the object store) whenever the deltas since
@@ -82,7 +82,7 @@ class CollectiveSync(SyncCheck):
     """Limit on joining the group and on each broadcast; past it the run stops with an error, never hangs."""
 
     delta: bool = False
-    """Broadcast only the elements that changed since the previous version (learner/weight_delta.py), exact bit for
+    """Broadcast only the elements that changed since the previous version (weights/delta.py), exact bit for
     bit; each engine applies it to its staging copy. The first broadcast of every group (the start, a rejoin after
     a replaced engine) is a full version. Costs one host copy of the model on the learner (docs/weight_sync.md)."""
 

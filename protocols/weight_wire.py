@@ -1,5 +1,5 @@
 """The wire format of weight transport: what a sender (learner rank 0) and a receiver (a rollout worker) of any
-backend (learner/transport_*.py) agree on: tensor metadata, the byte-bucket layout with its checksum, and the
+backend (weights/<type>.py) agree on: tensor metadata, the byte-bucket layout with its checksum, and the
 version header. Both sides import it from here; it imports torch only.
 """
 
@@ -76,7 +76,7 @@ class BucketLayout:
         return out
 
     def header(self, version: int, base: int = -1, delta_bytes: int = 0) -> torch.Tensor:
-        """A full version's header; with `base` >= 0, a delta (learner/weight_delta.py) of `delta_bytes` bytes that
+        """A full version's header; with `base` >= 0, a delta (weights/delta.py) of `delta_bytes` bytes that
         turns version `base` into `version`."""
         return torch.tensor([WIRE_PROTOCOL, version, len(self.metas), self.checksum, base, delta_bytes],
                             dtype=torch.int64)

@@ -243,7 +243,9 @@ def run_test(code: str, test: dict[str, Any], cfg: CodeSandboxConfig, timeout_s:
     if "fn_name" in test:
         try:
             got = json.loads(run.result)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
+            # The program's return value (at most reward.code.max_output_bytes of JSON) is not JSON, holds an int
+            # past Python's int-from-text limit, or nests past the decoder's recursion limit: never a right answer.
             return False, "wrong_answer"
         passed = _values_equal(got, test.get("output"))
         return passed, "passed" if passed else "wrong_answer"

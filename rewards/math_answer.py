@@ -5,17 +5,37 @@ a mathematical object, only answers identical after `normalize` count, and an em
 """
 
 import logging
+import math
 import re
 
+import sympy
 from math_verify import parse, verify
 
 from protocols.trajectory import Prompt, VerifierResult
 from rewards.answer_formats import last_boxed
 from rewards.spec import VerifierSpec
 
-# Parsing an adversarial expression (`9^{9^{9^9}}`) can run for ever; longer answers than this are refused
-# before sympy sees them, and the scorer's per-sample timeout covers the rest.
 MAX_ANSWER_CHARS = 400
+"""A longer answer is refused (`answer_too_long`) before math-verify reads it."""
+MAX_ANSWER_DEPTH = 6
+"""An answer nested deeper than this is refused (`answer_too_deep`) before it is read. Each open bracket `( [ {`
+is a level, and so is each `^` or `_` until its term ends (at `+ - = , ;` or its bracket's close): `x^{y^{2}}`
+is 4 deep, `x^y^z` 2, `x^2+y^2` 1. math-verify's parser takes about 0.1 s more per level (199 brackets took 6 s,
+a chain of 20 `^` 6 s); real answers are 4 deep at most (`\\left(\\frac{\\sqrt{3}}{x^{2}}\\right)`)."""
+MAX_ANSWER_DIGITS = 1000
+"""A parsed answer is refused (`answer_too_large`) before it is compared when a number in it, or one computed
+from it (a power, a factorial, a sum's or a product's range), could have more digits than this: comparing
+`9^{9^{9^9}}` would compute a number of 10^369693099 digits, in C code that no timeout interrupts."""
+MAX_ANSWER_EXPONENT = 100
+"""A parsed answer is refused (`answer_too_large`) when it raises a sum (`(x+1)^{1000}`) to a power over this:
+comparing it expands the power (14 s for 1000, 0.7 s for 100)."""
+MAX_EAGER_DIGITS = 4
+"""math-verify computes `\\binom`, `\\choose`, `\\gcd`, `lcm` and `\\Gamma` while it reads an answer, before any
+bound above can look: an answer that uses one of them is refused (`answer_too_large`) unless it uses one only,
+its numbers have at most this many digits and it has no `^` or `!` (reading `\\gcd(10^{10^{10}}, 7)` or
+`\\Gamma(\\Gamma(\\Gamma(5)))` had not finished after 10 s)."""
+_EAGER = re.compile(r"binom|choose|gcd|lcm|Gamma")
+_EAGER_TOO_BIG = re.compile(r"[\^!]|\d{%d}" % (MAX_EAGER_DIGITS + 1))
 # Spacing and sizing commands that never change an answer's meaning.
 _NO_MEANING = re.compile(r"\\left(?![a-zA-Z])|\\right(?![a-zA-Z])|\\[,;:! ]|~|\s+")
 
@@ -58,12 +78,100 @@ def _parsed(result: list) -> bool:
 def is_equivalent(gold: str, candidate: str) -> bool:
     """True when the two LaTeX answers denote the same value (gold first: math-verify is not symmetric).
     If either does not parse, True only when both are identical after `normalize` and not empty: an empty
-    gold against `\\boxed{}` is 0, and an unparsable answer never matches by a loose comparison."""
+    gold against `\\boxed{}` is 0, and an unparsable answer never matches by a loose comparison. A candidate
+    refused by the size bounds (`compare`) is never equivalent."""
+    return compare(gold, candidate)[0]
+
+
+def compare(gold: str, candidate: str) -> tuple[bool, str]:
+    """(equivalent, why the candidate was refused: "" or `answer_too_long`, `answer_too_deep`,
+    `answer_too_large`). The candidate is model output: it is read only within MAX_ANSWER_CHARS,
+    MAX_ANSWER_DEPTH and MAX_EAGER_DIGITS, and compared only within MAX_ANSWER_DIGITS and MAX_ANSWER_EXPONENT."""
+    if len(candidate) > MAX_ANSWER_CHARS:
+        return False, "answer_too_long"
+    if _nesting_depth(candidate) > MAX_ANSWER_DEPTH:
+        return False, "answer_too_deep"
+    eager = len(_EAGER.findall(candidate))
+    if eager > 1 or (eager and _EAGER_TOO_BIG.search(candidate)):
+        return False, "answer_too_large"
     gold_parsed = _parse(gold)
     candidate_parsed = _parse(candidate)
     if not _parsed(gold_parsed) or not _parsed(candidate_parsed):
-        return normalize(gold) != "" and normalize(gold) == normalize(candidate)
-    return bool(verify(gold_parsed, candidate_parsed, timeout_seconds=None))
+        return normalize(gold) != "" and normalize(gold) == normalize(candidate), ""
+    if any(_digits_bound(item) > MAX_ANSWER_DIGITS for item in candidate_parsed if not isinstance(item, str)):
+        return False, "answer_too_large"
+    return bool(verify(gold_parsed, candidate_parsed, timeout_seconds=None)), ""
+
+
+def _nesting_depth(text: str) -> int:
+    """How deep `text` nests (MAX_ANSWER_DEPTH says how levels count; `\\{` and `\\left(` count as their
+    bracket; a stray closer is skipped). One pass, no recursion."""
+    scripts = [0]  # per open bracket: the `^`/`_` of the current term at that level
+    depth = deepest = 0
+    for char in text:
+        if char in "([{":
+            scripts.append(0)
+            depth += 1
+        elif char in ")]}":
+            if len(scripts) > 1:
+                depth -= 1 + scripts.pop()
+        elif char in "^_":
+            scripts[-1] += 1
+            depth += 1
+        elif char in "+-=,;":
+            depth -= scripts[-1]
+            scripts[-1] = 0
+        deepest = max(deepest, depth)
+    return deepest
+
+
+_GROWTH = (sympy.factorial, sympy.factorial2, sympy.subfactorial, sympy.binomial, sympy.RisingFactorial,
+           sympy.FallingFactorial, sympy.gamma, sympy.Sum, sympy.Product)
+"""Functions whose value (or cost) grows like n! with their largest argument n."""
+
+
+def _digits_bound(expr: object) -> float:
+    """An upper bound of log10 of the largest number sympy may compute from `expr` (about its digits; a symbol
+    counts as 1), without computing any: math.inf once that passes MAX_ANSWER_DIGITS, or when a sum is raised
+    to a power over MAX_ANSWER_EXPONENT. Recursion is as deep as the parsed answer, which MAX_ANSWER_CHARS
+    bounds."""
+    if isinstance(expr, sympy.MatrixBase):
+        return _saturated(sum(_digits_bound(entry) for entry in expr))
+    if not isinstance(expr, sympy.Basic):
+        return 0.0
+    if isinstance(expr, sympy.Rational):  # Integer too; math.log10 takes an int of any size
+        return _saturated(math.log10(max(abs(int(expr.p)), int(expr.q))))
+    if isinstance(expr, sympy.Float):
+        size = abs(float(expr))  # inf past the float range, 0.0 under it
+        return _saturated(abs(math.log10(size))) if size else 0.0
+    if not expr.args:
+        return 1.0 if expr.is_number else 0.0  # pi, E, I, oo; a symbol
+    args = [_digits_bound(arg) for arg in expr.args]
+    if math.inf in args:
+        return math.inf
+    if isinstance(expr, sympy.Pow):
+        times = _power_of_ten(args[1])  # the exponent's size
+        if times == math.inf or (expr.base.free_symbols and expr.base.atoms(sympy.Add) and times > MAX_ANSWER_EXPONENT):
+            return math.inf
+        return _saturated(args[0] * times)
+    if isinstance(expr, sympy.exp):
+        return _saturated(_power_of_ten(args[0]) / math.log(10))
+    if isinstance(expr, _GROWTH):
+        n = _power_of_ten(max(args))
+        return _saturated(math.lgamma(n + 1) / math.log(10))  # log10(n!)
+    if isinstance(expr, sympy.Add):
+        return _saturated(max(args) + math.log10(len(args)))
+    # A product, and any other function or container (sqrt, sin, sets, tuples): at most a product of its parts.
+    return _saturated(sum(args))
+
+
+def _power_of_ten(log10_size: float) -> float:
+    # An exponent or a factorial's argument over 10^300 (past the float range soon after) is refused outright.
+    return math.inf if log10_size > 300 else 10.0**log10_size
+
+
+def _saturated(log10_size: float) -> float:
+    return math.inf if log10_size > MAX_ANSWER_DIGITS else log10_size
 
 
 def verify_math(prompt: Prompt, response: str) -> VerifierResult:
@@ -73,11 +181,11 @@ def verify_math(prompt: Prompt, response: str) -> VerifierResult:
     if extracted is None:
         info["reason"] = "no_boxed"
         return VerifierResult(reward=0.0, correct=False, info=info)
-    if len(extracted) > MAX_ANSWER_CHARS:
-        info["reason"] = "answer_too_long"
-        info["extracted"] = extracted[:MAX_ANSWER_CHARS] + "..."
-        return VerifierResult(reward=0.0, correct=False, info=info)
-    correct = is_equivalent(gold, extracted)
+    correct, refused = compare(gold, extracted)
+    if refused:
+        info["reason"] = refused
+        if len(extracted) > MAX_ANSWER_CHARS:
+            info["extracted"] = extracted[:MAX_ANSWER_CHARS] + "..."
     return VerifierResult(reward=1.0 if correct else 0.0, correct=correct, info=info)
 
 

@@ -6,8 +6,10 @@ at `stop_strings(cfg)`. The driver's `tools/*` metrics are counted here too (`to
 Pure functions: no tool runs here.
 """
 
+import itertools
 import json
 import re
+import sys
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -18,6 +20,14 @@ from protocols.trajectory import Trajectory
 
 _NAME = re.compile(r"[A-Za-z_][\w.-]*")
 """A tool name is a word: the same rule as tools.custom's names (protocols/tools.py)."""
+MAX_CALL_CHARS = 100_000
+"""A call body longer than this is malformed, unread: far above any program or expression a tool takes, and a
+bound on what one call hands to a tool."""
+MAX_JSON_DEPTH = 64
+"""A JSON call nested deeper than this (arrays and objects) is malformed, refused before `json.loads`: real
+arguments are a few levels deep, and a 1,000-deep body would raise RecursionError in the decoder."""
+_JSON_STRING = re.compile(r'"(?:[^"\\]++|\\.)*+"', re.DOTALL)
+_NOT_A_BRACKET = re.compile(r"[^\[\]{}]+")
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,8 @@ def parse_call(turn_text: str, cfg: ToolsConfig) -> ParsedCall | MalformedCall |
     if start < 0:
         return MalformedCall(f"{cfg.call_end!r} with no {cfg.call_start!r} before it")
     body = text[start + len(cfg.call_start): end].strip()
+    if len(body) > MAX_CALL_CHARS:
+        return MalformedCall(f"call of {len(body)} characters; a call has at most {MAX_CALL_CHARS}")
     if not body:
         return MalformedCall("empty call")
     if body.startswith("{"):
@@ -93,14 +105,27 @@ def parse_call(turn_text: str, cfg: ToolsConfig) -> ParsedCall | MalformedCall |
 
 
 def _parse_json(body: str) -> ParsedCall | MalformedCall:
+    depth = _json_depth(body)
+    if depth > MAX_JSON_DEPTH:
+        return MalformedCall(f"JSON call nested {depth} levels deep; at most {MAX_JSON_DEPTH}")
     try:
         call = json.loads(body)
     except json.JSONDecodeError as err:
         return MalformedCall(f"bad JSON ({err.msg} at character {err.pos})")
+    except ValueError:
+        # the only other refusal of json.loads: an integer past Python's int-from-text limit
+        return MalformedCall(f"a number in the JSON call has more than {sys.get_int_max_str_digits()} digits")
     name = call.get("name")
     if not isinstance(name, str) or not _NAME.fullmatch(name.strip()):
         return MalformedCall(f"the JSON call's `name` {_preview(name)} is not a word")
     return ParsedCall(name.strip(), _argument_text(call.get("arguments", "")))
+
+
+def _json_depth(text: str) -> int:
+    """The deepest nesting of `[ ]` and `{ }` in JSON text, brackets inside strings not counted: `{"a": [1]}` is
+    2. Linear in the text, and never recursive (it is what keeps the decoder's recursion bounded)."""
+    brackets = _NOT_A_BRACKET.sub("", _JSON_STRING.sub("", text))
+    return max(itertools.accumulate(1 if b in "[{" else -1 for b in brackets), default=0)
 
 
 def _argument_text(arguments: Any) -> str:
@@ -155,12 +180,12 @@ TOOL_ERRORS = ("unknown_tool", "exception", "timeout")
 """Error kinds of a call, always reported (0 when none happened)."""
 
 
-def tool_counts(trajectories: Iterable[Trajectory], cfg: ToolsConfig) -> Counter:
+def tool_counts(trajectories: Iterable[Trajectory]) -> Counter:
     """Raw counts over samples (they add across steps and runs): samples, turns, calls, calls_error_<kind>,
     call_seconds, tool_tokens, response_tokens, truncated_outputs, malformed_calls, max_turns.
 
-    A malformed call leaves no tool segment: the sample ends at it, as a plain response whose last turn still
-    ends at `call_end` (finish reason `stop`), so it is read back from the final text here."""
+    A malformed call leaves no tool segment: the sample ends at it as a plain response (finish reason `stop`),
+    marked `malformed_call` by the agent loop, which parsed it once; nothing is parsed again here."""
     c: Counter = Counter({"samples": 0})
     for t in trajectories:
         calls = t.tool_calls or []
@@ -173,7 +198,7 @@ def tool_counts(trajectories: Iterable[Trajectory], cfg: ToolsConfig) -> Counter
         c["response_tokens"] += len(t.response_token_ids)
         c["truncated_outputs"] += sum(call.output_truncated for call in calls)
         c["max_turns"] += t.finish_reason == "max_turns"
-        c["malformed_calls"] += t.finish_reason == "stop" and isinstance(parse_call(t.final_text, cfg), MalformedCall)
+        c["malformed_calls"] += t.malformed_call
         for call in calls:
             if call.error:
                 c[f"calls_error_{call.error}"] += 1

@@ -12,6 +12,7 @@ import logging
 import math
 import operator
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -28,9 +29,16 @@ log = logging.getLogger(__name__)
 STDERR_TAIL_CHARS = 1000
 """Characters of a failed program's stderr kept after its stdout: the traceback's end, which names the error."""
 MAX_EXPRESSION_CHARS = 1000
+"""The calculator refuses a longer expression, unread."""
+MAX_EXPRESSION_DEPTH = 200
+"""The calculator refuses an expression whose syntax tree is deeper than this (`-` 200 times, `1+1+...+1` with
+more than 200 terms), before evaluating it: evaluation recurses once per level. Parentheses add no level; Python's
+parser itself refuses more than 200 nested ones."""
 MAX_RESULT_DIGITS = 1000
-"""The calculator refuses a number (operand or result) longer than this, before computing it: `9**9**9` would
-take minutes and gigabytes."""
+"""The calculator refuses a number (operand, intermediate or result) with more digits than this; a power is
+refused before it is computed: `9**9**9` would take minutes and gigabytes."""
+_RESULT_LIMIT = 10**MAX_RESULT_DIGITS
+"""The smallest integer with more than MAX_RESULT_DIGITS digits."""
 _FENCED = re.compile(r"```[^\n`]*\n(.*?)\n?```", re.DOTALL)
 
 
@@ -164,8 +172,10 @@ _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 def calculate(expression: str) -> str:
     """The value of an arithmetic expression: + - * / // % ** and parentheses over integers and decimals, as
     Python computes them, read from its syntax tree (never `eval`). Integers are exact; a float that is a whole
-    number prints without `.0` (`6/3` is `2`). Raises ValueError for anything else (names, calls, `^`), and for
-    numbers over MAX_RESULT_DIGITS digits, refused before they are computed; ZeroDivisionError for `/ 0`."""
+    number prints without `.0` (`6/3` is `2`). Raises ValueError for anything else (names, calls, `^`), for an
+    expression over MAX_EXPRESSION_CHARS characters or MAX_EXPRESSION_DEPTH levels, for a number over
+    MAX_RESULT_DIGITS digits (a power refused before it is computed) and for a value too large for a float;
+    ZeroDivisionError for `/ 0`."""
     text = expression.strip()
     if len(text) > MAX_EXPRESSION_CHARS:
         raise ValueError(f"expression of {len(text)} characters; the calculator takes at most {MAX_EXPRESSION_CHARS}")
@@ -173,7 +183,28 @@ def calculate(expression: str) -> str:
         tree = ast.parse(text, mode="eval")
     except SyntaxError as err:
         raise ValueError(f"not an arithmetic expression: {err.msg}") from None
-    return _format(_eval(tree.body))
+    except (RecursionError, MemoryError):
+        raise ValueError(f"expression nested too deeply to read; the calculator takes at most "
+                         f"{MAX_EXPRESSION_DEPTH} levels") from None
+    depth = _depth(tree.body)
+    if depth > MAX_EXPRESSION_DEPTH:
+        raise ValueError(f"expression nested {depth} levels deep; the calculator takes at most {MAX_EXPRESSION_DEPTH}")
+    try:
+        return _format(_eval(tree.body))
+    except OverflowError:
+        # a value past the float range (`10**400 / 3`, `10.0**400`): refused like the other limits
+        raise ValueError(f"a value is too large for a float (over {sys.float_info.max:.3g})") from None
+
+
+def _depth(root: ast.AST) -> int:
+    """Levels of the syntax tree below and including `root` (operators count as a level), counted without
+    recursion."""
+    deepest, stack = 0, [(root, 1)]
+    while stack:
+        node, level = stack.pop()
+        deepest = max(deepest, level)
+        stack.extend((child, level + 1) for child in ast.iter_child_nodes(node))
+    return deepest
 
 
 def _eval(node: ast.AST) -> int | float:
@@ -188,13 +219,16 @@ def _eval(node: ast.AST) -> int | float:
         return _checked(_BINARY[type(node.op)](left, right))
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitXor):
         raise ValueError("`^` is not a power here; write `**`")
-    raise ValueError(f"unsupported expression {ast.unparse(node)!r}: only numbers, + - * / // % ** and parentheses")
+    raise ValueError(f"unsupported expression {_short(ast.unparse(node))}: only numbers, + - * / // % ** and "
+                     "parentheses")
 
 
 def _check_power(base: int | float, exponent: int | float) -> None:
-    # Digits of |base| ** exponent are about exponent * log10(|base|); refuse before computing it.
-    if abs(base) > 1 and exponent > 0 and exponent * math.log10(abs(base)) > MAX_RESULT_DIGITS:
-        raise ValueError(f"{_format(base)} ** {_format(exponent)} has more than {MAX_RESULT_DIGITS} digits")
+    # |base| ** exponent has floor(exponent * log10|base|) + 1 digits: refuse before computing it when that is
+    # over MAX_RESULT_DIGITS. Written as a division so a 1,000-digit exponent is never turned into a float.
+    if abs(base) > 1 and exponent > 0 and exponent >= MAX_RESULT_DIGITS / math.log10(abs(base)):
+        shown = f"({_short(base)})" if base < 0 else _short(base)
+        raise ValueError(f"{shown} ** {_short(exponent)} has more than {MAX_RESULT_DIGITS} digits")
 
 
 def _checked(value: int | float | complex) -> int | float:
@@ -202,9 +236,15 @@ def _checked(value: int | float | complex) -> int | float:
         raise ValueError("the result is a complex number")
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError("the result is not a finite number")
-    if isinstance(value, int) and value.bit_length() > MAX_RESULT_DIGITS * 3.33:
+    if isinstance(value, int) and abs(value) >= _RESULT_LIMIT:
         raise ValueError(f"a number has more than {MAX_RESULT_DIGITS} digits")
     return value
+
+
+def _short(value: object, chars: int = 40) -> str:
+    """`value` for a message: its text (repr of a string), cut to `chars` characters."""
+    text = repr(value) if isinstance(value, str) else _format(value)
+    return text if len(text) <= chars else text[: chars - 3] + "..."
 
 
 def _format(value: int | float) -> str:

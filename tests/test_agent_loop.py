@@ -10,7 +10,7 @@ import pytest
 
 from actors import agent_loop as agent_loop_module
 from actors.agent_loop import AgentLoop
-from actors.decode_loop import DecodeLoop
+from actors.decode_loop import FINISHED, DecodeLoop, Finished
 from protocols.reward import RewardConfig
 from protocols.tools import ToolsConfig
 from protocols.trajectory import Prompt
@@ -195,8 +195,20 @@ def test_a_malformed_call_ends_the_turn_as_a_plain_response_and_is_counted():
     (group,) = run_to_end(loop)
     t0, t1 = group.trajectories
     assert t0.response_token_ids == bad and t0.finish_reason == "stop" and t0.tool_calls is None
+    assert t0.malformed_call and not t1.malformed_call  # the loop's verdict travels with the sample
     assert t1.response_text == "42" and tools.calls == []
     assert agent.counts["malformed_calls"] == 1 and agent.counts["calls"] == 0
+
+
+def test_a_call_nested_1000_deep_is_counted_malformed_and_never_reaches_the_worker():
+    # the turn ends at `</tool_call>` with a JSON body 1001 levels deep: parse_call refuses it (no RecursionError)
+    agent = AgentLoop(TOOLS, RewardConfig(), Tokenizer(), toolbox=ScriptedTools())
+    text = '<tool_call>{"name": "calc", "arguments": ' + "[" * 1000 + "]" * 1000 + "}</tool_call>"
+    try:
+        assert agent(None, SimpleNamespace(outputs=[SimpleNamespace(text=text)])) == Finished(malformed_call=True)
+        assert agent.counts["malformed_calls"] == 1 and agent.counts["calls"] == 0
+    finally:
+        agent.close()
 
 
 def test_an_unknown_tool_or_a_failing_one_answers_with_its_error_text_and_the_sample_goes_on():

@@ -1,5 +1,5 @@
 """A killed rollout worker under weight_sync.type=collective: the broadcast group has a fixed membership, so the
-supervisor replaces the worker and every engine and learner rank 0 open a new group (cluster/supervisor.py). The
+rollout pool replaces the worker and every engine and learner rank 0 open a new group (cluster/rollout_pool.py). The
 run must finish with every group accounted for, and each replacement must receive later versions through its new
 group: at the end it holds the learner's newest weights, to the log-prob."""
 
@@ -144,35 +144,37 @@ def test_two_engines_dead_at_once_are_each_replaced_once(ray_cluster):
     """Under weight_sync.type=collective the first replacement stops every run to rebuild the weight group;
     stopping meets the second dead worker and replaces it there, so the health check that found both must not
     replace it again (nor look up its old run ref among the new ones)."""
-    from cluster.supervisor import Supervisor
+    from cluster.rollout_pool import RolloutPool
+    from cluster.worker_pool import PoolContext
     from protocols.config import load_config
 
     cfg = load_config(None, ["rollout.num_workers=3"])
     controller = StopResume.remote()
     workers = [Looping.remote(controller) for _ in range(3)]
-    sup = Supervisor(cfg, None, controller, "unused", learner=None, rollout_workers=workers, reward_workers=[])
-    sup.start_runs()
+    pool = RolloutPool(PoolContext(cfg, controller, placement=None, model_path="unused"))
+    pool.workers.extend(workers)
+    pool.start_runs()
     replaced: list[int] = []
 
     def replace(index: int, err: BaseException) -> None:
-        # _replace_rollout's collective path with the engine start and the weight group left out: a new actor
+        # RolloutPool.replace's collective path with the engine start and the weight group left out: a new actor
         # in the slot, then every run stopped (which replaces any other dead one) and started again
         replaced.append(index)
-        sup.rollout_workers[index] = Looping.remote(controller)
-        if sup.run_refs is not None:
-            sup.run_refs[index] = None
-            sup.stop_runs()
+        pool.workers[index] = Looping.remote(controller)
+        if pool.run_refs is not None:
+            pool.run_refs[index] = None
+            pool.stop_runs()
             ray.get(controller.resume.remote())
-            sup.start_runs()
+            pool.start_runs()
 
-    sup._replace_rollout = replace
+    pool.replace = replace
     ray.kill(workers[0])
     ray.kill(workers[2])
-    ray.wait([sup.run_refs[0], sup.run_refs[2]], num_returns=2, timeout=60)
-    sup.check()
+    ray.wait([pool.run_refs[0], pool.run_refs[2]], num_returns=2, timeout=60)
+    pool.check()
     assert sorted(replaced) == [0, 2]
-    assert workers[1] in sup.rollout_workers and len(set(map(id, sup.rollout_workers))) == 3
-    sup.check()  # the new runs are alive: nothing more to replace
+    assert workers[1] in pool.workers and len(set(map(id, pool.workers))) == 3
+    pool.check()  # the new runs are alive: nothing more to replace
     assert sorted(replaced) == [0, 2]
-    for worker in sup.rollout_workers:
+    for worker in pool.workers:
         ray.kill(worker)

@@ -8,7 +8,7 @@ import pytest
 from actors.controller import ControllerActor, RolloutController, SyncReply, SyncRequest, WatchReply
 from actors.worker_policy import PolicySettings, WorkerPolicy
 from cluster.simulator import simulate
-from protocols.trajectory import WeightVersion
+from protocols.weight_announcement import WeightAnnouncement
 from tests.test_replay_queue import make_group, make_prompts
 from tests.test_simulator import small
 
@@ -50,26 +50,26 @@ def test_starved_policy_waits_for_freed_budget_or_new_weights():
     assert p.sync_due(1.0, in_flight=0)
     p.request(1.0, 0)
     p.on_reply(SyncReply(stop=False, weights=None, starved=True))
-    p.on_watch(WatchReply(stop=False, weights=(1, ["w1"])))
-    assert p.want(0) == 0 and p.weights_to_load(0) == (1, ["w1"])
+    p.on_watch(WatchReply(stop=False, weights=WeightAnnouncement(version=1, refs=["w1"])))
+    assert p.want(0) == 0 and p.weights_to_load(0) == WeightAnnouncement(version=1, refs=["w1"])
     p.loaded(1)
     assert p.sync_due(2.0, in_flight=0) and p.request(2.0, 0).version == 1
 
 
 def test_policy_loads_at_once_with_partial_rollouts_else_after_draining():
     drain = WorkerPolicy(PolicySettings(prompts_in_flight=4, partial_rollouts=False), 0)
-    drain.on_watch(WatchReply(stop=False, weights=(1, [])))
+    drain.on_watch(WatchReply(stop=False, weights=WeightAnnouncement(version=1)))
     assert drain.weights_to_load(in_flight=2) is None and drain.want(2) == 0  # no new work while draining
-    assert drain.weights_to_load(in_flight=0) == (1, [])
+    assert drain.weights_to_load(in_flight=0) == WeightAnnouncement(version=1)
     partial = WorkerPolicy(PolicySettings(prompts_in_flight=4, partial_rollouts=True), 0)
-    partial.on_watch(WatchReply(stop=False, weights=(1, [])))
-    assert partial.weights_to_load(in_flight=2) == (1, [])
+    partial.on_watch(WatchReply(stop=False, weights=WeightAnnouncement(version=1)))
+    assert partial.weights_to_load(in_flight=2) == WeightAnnouncement(version=1)
 
 
 def test_stopped_policy_makes_one_final_call_with_the_aborted_groups():
     p = WorkerPolicy(PolicySettings(prompts_in_flight=4), 0)
     p.on_scored("g0", "ref", now=0.0)
-    p.on_watch(WatchReply(stop=True, weights=(3, [])))
+    p.on_watch(WatchReply(stop=True, weights=WeightAnnouncement(version=3)))
     assert not p.sync_due(0.0, 2) and p.weights_to_load(0) is None  # stop wins over newer weights
     final = p.final_request(["g1", "g2"])
     assert final.want == 0 and final.dropped == {"aborted_at_stop": ["g1", "g2"]} and len(final.scored) == 1
@@ -88,9 +88,9 @@ def test_sync_takes_scored_groups_before_granting_so_freed_budget_is_granted_at_
 
 def test_sync_grants_nothing_while_the_worker_holds_old_weights():
     c = controller()
-    c.publish(WeightVersion(version=1), ["w1"])
+    c.publish(WeightAnnouncement(version=1, refs=["w1"]))
     reply = c.sync(SyncRequest(worker_id=0, version=0, want=4))
-    assert reply.weights == (1, ["w1"]) and reply.granted == []
+    assert reply.weights == WeightAnnouncement(version=1, refs=["w1"]) and reply.granted == []
 
 
 def test_a_starved_worker_is_woken_when_a_drop_frees_budget_and_by_new_weights():
@@ -101,8 +101,8 @@ def test_a_starved_worker_is_woken_when_a_drop_frees_budget_and_by_new_weights()
     c.sync(SyncRequest(worker_id=0, version=0, scored=[("g0", make_group("g0", [0, 0], 0))]))  # dropped
     assert c.watch_news(1, known_version=0) == WatchReply(stop=False, weights=None, budget_freed=True)
     assert c.watch_news(1, known_version=0) is None  # delivered once
-    c.publish(WeightVersion(version=1), [])
-    assert c.watch_news(1, known_version=0).weights == (1, [])
+    c.publish(WeightAnnouncement(version=1))
+    assert c.watch_news(1, known_version=0).weights == WeightAnnouncement(version=1)
 
 
 def test_leases_record_the_holder_and_a_lost_workers_leases_free_the_window():
@@ -187,7 +187,7 @@ def test_controller_actor_resolves_scored_refs_and_long_polls(ray_cluster):
         ray.get(actor.sync.remote(SyncRequest(worker_id=0, version=0, scored=[(granted[0][0], scored.remote("g2"))])))
         # ... and answers as soon as the second one is queued
         assert [g.group_id for g in ray.get(batch, timeout=30)] == ["g0", "g2"]
-        ray.get(actor.publish.remote(WeightVersion(version=1), ["w1"]))
-        assert ray.get(watch, timeout=30) == WatchReply(stop=False, weights=(1, ["w1"]))
+        ray.get(actor.publish.remote(WeightAnnouncement(version=1, refs=["w1"])))
+        assert ray.get(watch, timeout=30) == WatchReply(stop=False, weights=WeightAnnouncement(version=1, refs=["w1"]))
     finally:
         ray.kill(actor)

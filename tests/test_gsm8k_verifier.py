@@ -2,6 +2,7 @@
 
 import json
 import os
+import time
 from pathlib import Path
 
 
@@ -10,7 +11,7 @@ import pytest
 from protocols.reward import Gsm8kConfig
 from protocols.trajectory import Prompt
 from rewards import gsm8k
-from rewards.gsm8k import extract_answer, gold_answer, parse_number, verify_gsm8k
+from rewards.gsm8k import MAX_NUMBER_CHARS, MAX_RESPONSE_CHARS, extract_answer, gold_answer, parse_number, verify_gsm8k
 
 
 def gsm8k_dir() -> Path:
@@ -111,6 +112,41 @@ def test_unicode_minus_is_minus_for_answer_and_gold(mode):
     assert parse_number("\u22125") == -5
     # an en dash used as minus reads the same way
     assert _verify("-5", "#### \u20135", mode) == 1.0
+
+
+def test_a_5000_digit_answer_is_refused_not_converted():
+    # int("1" * 5000) would raise ValueError (Python's 4300-digit limit); the number is over MAX_NUMBER_CHARS = 100
+    result = verify_gsm8k(_prompt("#### 18"), "#### " + "1" * 5000)
+    assert (result.reward, result.info["reason"]) == (0.0, "number_too_long")
+    assert result.info["extracted"] == "1" * MAX_NUMBER_CHARS + "..."
+
+
+@pytest.mark.parametrize("text", ["1" * 101, "1e999999999", "1E-1000", "inf", "-Infinity", "nan"])
+def test_parse_number_refuses_what_it_cannot_read_cheaply(text):
+    # 101 characters, exponents of 10^9 and -1000 (over 100), and the non-finite values: None, never an exception
+    assert parse_number(text) is None
+
+
+def test_parse_number_reads_up_to_100_characters():
+    assert parse_number("9" * 100) == 10**100 - 1
+
+
+@pytest.mark.parametrize("mode", ["strict", "flexible"])
+def test_a_megabyte_response_is_read_from_its_end_quickly(mode):
+    # 500,000 numbers, then the answer: only the last MAX_RESPONSE_CHARS = 100,000 characters are read
+    response = "1 " * 500_000 + "#### 18"
+    start = time.perf_counter()
+    assert extract_answer(response, mode) == ("18", "marker")
+    assert time.perf_counter() - start < 1.0
+    assert len(response) > 10 * MAX_RESPONSE_CHARS
+
+
+def test_telling_signs_from_subtraction_stays_linear():
+    # "1 - 1 - 1 ...": 25,000 minus signs in 100,000 characters, each after a 1, so each is subtraction; the
+    # check looks back over the spaces before a sign only, not the whole text before it
+    start = time.perf_counter()
+    assert extract_answer("1 " + "- 1 " * 25_000, "flexible") == ("1", "last_number")
+    assert time.perf_counter() - start < 1.0
 
 
 @pytest.mark.parametrize("mode", ["strict", "flexible"])

@@ -35,7 +35,7 @@ def run_one_step(model_path: str, num_ranks: int, zero_stage: int) -> tuple[dict
     group = LearnerGroup(cfg, model_path)
     try:
         metrics = group.train_step(batch, count_normalizer(batch.loss_mask, cfg.rollout.max_response_tokens))
-        packed = __import__("ray").get(group.publish_weights()["refs"][0])
+        packed = __import__("ray").get(group.publish_weights().refs[0])
     finally:
         group.shutdown()
     return metrics, {k: torch.from_numpy(v.copy()) for k, (_, v) in packed.items()}

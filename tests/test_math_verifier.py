@@ -1,9 +1,11 @@
 """LaTeX math verifier: \\boxed extraction and equivalence by kind, each with a positive and a negative case."""
 
+import time
+
 import pytest
 
 from protocols.trajectory import Prompt
-from rewards.math_answer import gold_answer, is_equivalent, last_boxed, normalize, verify_math
+from rewards.math_answer import MAX_ANSWER_DEPTH, gold_answer, is_equivalent, last_boxed, normalize, verify_math
 
 
 def test_last_boxed_balances_nested_braces():
@@ -111,3 +113,67 @@ def test_normalization_rules():
     assert normalize(r"\dfrac{1}{2}\,\;\!~") == r"\frac{1}{2}"
     # \leftarrow is a command of its own, not \left
     assert normalize(r"\leftarrow") == r"\leftarrow"
+
+
+# ----- hostile answers: refused by a bound, quickly, never raised ----------------------------------------------
+def _reason(answer: str, gold: str = "3") -> tuple[bool, str | None]:
+    result = verify_math(Prompt(prompt_id="math/test/0", prompt_token_ids=[0], answer=gold), r"\boxed{" + answer + "}")
+    return result.correct, result.info.get("reason")
+
+
+@pytest.mark.parametrize("answer", [
+    "9^{9^{9^9}}",                    # 9^(9^(9^9)): about 10^369693099 digits
+    "10^{10^{10}}",                   # 10^10 + 1 digits
+    "2^{3322}",                       # 3322 log10(2) = 1000.02: 1001 digits
+    "450!",                           # log10(450!) = 1000.2
+    r"\sum_{i=1}^{10^{9}} i",         # a range of 10^9
+    "(x+1)^{101}",                    # expanding a sum past MAX_ANSWER_EXPONENT = 100
+    r"\gcd(10^{10^{10}}, 7)",         # math-verify computes gcd while reading
+    r"\binom{100000}{50000}",         # and binomials: a number over MAX_EAGER_DIGITS = 4 digits
+    r"\Gamma(\Gamma(\Gamma(5)))",     # and Gamma: more than one of them
+])  # fmt: skip
+def test_huge_numbers_are_refused_before_they_are_computed(answer):
+    start = time.perf_counter()
+    assert _reason(answer) == (False, "answer_too_large")
+    assert time.perf_counter() - start < 5.0  # computing the first would exhaust any memory
+
+
+@pytest.mark.parametrize(("answer", "gold"), [
+    ("2^{3321}", "2^{3321}"),         # 3321 log10(2) = 999.7: 1000 digits, compared
+    ("449!", "449!"),                 # log10(449!) = 997.5
+    ("(x+1)^{2}", "x^2+2x+1"),        # a small power of a sum is expanded and compared
+    (r"\binom{5}{2}", "10"),          # one small binomial is read
+])  # fmt: skip
+def test_numbers_within_the_bounds_are_compared(answer, gold):
+    assert _reason(answer, gold) == (True, None)
+
+
+def test_nesting_past_the_depth_bound_is_refused():
+    # 7 nested parentheses: one level over MAX_ANSWER_DEPTH = 6; 6 are still read (and equal 3)
+    assert MAX_ANSWER_DEPTH == 6
+    assert _reason("(" * 7 + "3" + ")" * 7) == (False, "answer_too_deep")
+    assert _reason("(" * 6 + "3" + ")" * 6) == (True, None)
+
+
+def test_chained_scripts_count_as_nesting():
+    # x^x^x^x^x^x^x^x: 7 `^` in one term, 7 levels; x^2+y^2+z^2+w^2+v^2+u^2+t^2: 7 `^`, but 1 level per term
+    assert _reason("x^x^x^x^x^x^x^x") == (False, "answer_too_deep")
+    assert _reason("x^2+y^2+z^2+w^2+v^2+u^2+t^2") == (False, None)
+
+
+def test_100000_deep_braces_and_a_megabyte_answer_are_refused_by_length():
+    # 200,000 characters of braces, then 10^6 digits: both over MAX_ANSWER_CHARS = 400, refused unread
+    start = time.perf_counter()
+    assert _reason("{" * 100_000 + "}" * 100_000) == (False, "answer_too_long")
+    assert _reason("1" * 1_000_000) == (False, "answer_too_long")
+    assert time.perf_counter() - start < 1.0
+
+
+def test_a_megabyte_response_is_read_for_its_last_boxed_answer():
+    # a 10^6-character response ending in \boxed{3}: found by a linear scan, and correct
+    prompt = Prompt(prompt_id="math/test/0", prompt_token_ids=[0], answer="3")
+    assert verify_math(prompt, "{" * 1_000_000 + r" so \boxed{3}").correct
+
+
+def test_a_refused_candidate_is_never_equivalent():
+    assert is_equivalent("3", "(((((((3)))))))") is False

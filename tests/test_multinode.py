@@ -108,7 +108,8 @@ def test_demo_job_trains_across_nodes(three_nodes, tmp_path):
         learner_node = _node_of(trainer.learner.ranks[0])
         rollout_node = _node_of(trainer.rollout_workers[0])
         summary = trainer.run()
-        version, refs = ray.get(trainer.controller.latest_weights.remote(-1))
+        latest = ray.get(trainer.controller.latest_weights.remote(-1))
+        version, refs = latest.version, latest.refs
         # the newest weights, put by learner rank 0, now also sit in the rollout node's object store
         locations = ray.experimental.get_object_locations(refs)
     finally:
@@ -147,7 +148,7 @@ def test_ppo_with_reference_and_critic_on_their_nodes_checkpoints_and_resumes(th
     trainer.step = lambda groups: (trained.extend(groups), step(groups))[1]  # record what the learner trains on
     try:
         nodes = {role: _node_of(actor) for role, actor in (
-            ("learner", trainer.learner.ranks[0]), ("critic", trainer.critic.ranks[0]),
+            ("learner", trainer.learner.ranks[0]), ("critic", trainer.pools["critic"].group.ranks[0]),
             ("rollout", trainer.rollout_workers[0]), ("reference", trainer.reference_workers[0]),
             ("reward", trainer.reward_workers[0]))}
         summary = trainer.run()

@@ -38,7 +38,7 @@ def test_short_ppo_run_stamps_values_on_every_trajectory_and_a_dead_critic_past_
         summary = trainer.run()
         # A dead critic worker past the restart limit stops the run with an error naming it, never a hang.
         ray.get(trainer.controller.resume.remote())
-        ray.kill(trainer.critic.ranks[0])
+        ray.kill(trainer.pools["critic"].group.ranks[0])
         trainer.supervisor.start_runs()
         with pytest.raises(WorkerLost, match=r"critic worker 0 of critic.num_workers=1 died .*"
                                              r"fault.max_replacements=0 allows no more"):

@@ -210,7 +210,7 @@ def train_on_ranks(model_path: str, overrides: list[str]) -> tuple[dict, list[di
     group = LearnerGroup(cfg, model_path)
     try:
         summed = group.train_step(samples, count_normalizer(samples.loss_mask, 16))
-        packed = ray.get(group.publish_weights()["refs"][0])
+        packed = ray.get(group.publish_weights().refs[0])
     finally:
         group.shutdown()
     weights = {k: torch.from_numpy(v.copy()) for k, (_, v) in packed.items()}

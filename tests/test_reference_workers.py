@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cluster.placement import PlacementError, check_plan, parse_node_spec, plan_placement
-from cluster.reference_stream import check_streamed_ref_logprobs, reward_kl
+from learner.prepare import check_ref_logprobs, reward_kl
 from protocols.config import ConfigError, load_config
 from protocols.metrics import unknown_names
 from protocols.training_batch import TrainingBatch
@@ -49,27 +49,28 @@ def test_group_takes_ref_logprobs_of_matching_shape_only():
     assert all(t.ref_logprobs is None for t in group.trajectories)  # a copy: the input is left as it was
     with pytest.raises(ValueError, match=r"group g0: reference log-probs of shape \[2, 2\]"):
         group.with_ref_logprobs([[-1.0, -2.0], [-3.0, -4.0]])
-    check_streamed_ref_logprobs(joined.trajectories)
+    streamed = load_config(None, ["algorithm.preset=grpo", "reference.num_workers=1"])
+    check_ref_logprobs(TrainingBatch.from_trajectories(joined.trajectories), streamed, ["g0", "g0"])
     # the batch of the joined group carries them, padded: row 1 has one token
     torch.testing.assert_close(TrainingBatch.from_trajectories(joined.trajectories).ref_logprobs,
                                torch.tensor([[-1.0, -2.0], [-3.0, 0.0]]))
-    with pytest.raises(RuntimeError, match=r"2 trajectories reached the learner without ref_logprobs \(groups \['g0'\]"):
-        check_streamed_ref_logprobs(group.trajectories)
+    with pytest.raises(RuntimeError, match=r"reference.num_workers=1 but the batch reached the learner without "
+                                           r"ref_logprobs \(groups \['g0'\]"):
+        check_ref_logprobs(TrainingBatch.from_trajectories(group.trajectories), streamed, ["g0", "g0"])
 
 
 def test_reward_kl_is_k1_on_behavior_logprobs_in_decoupled_mode():
     # rloo: KL in the reward, k1, and the default off_policy mode decoupled. The estimate is taken on the behavior
     # log-probs mu (the tokens were sampled from mu): k1 = mu - ref per token, 0 off the mask.
     # row 0: [-0.5 - (-1.0), -1.0 - (-1.0)] = [0.5, 0.0]; row 1: [-2.0 - (-1.5), pad] = [-0.5, 0.0]
-    cfg = load_config(None, ["algorithm.preset=rloo"]).algorithm
-    assert cfg.off_policy.mode == "decoupled" and cfg.kl.estimator == "k1"
+    cfg = load_config(None, ["algorithm.preset=rloo"])
+    assert cfg.algorithm.off_policy.mode == "decoupled" and cfg.algorithm.kl.estimator == "k1"
     batch = TrainingBatch.from_samples([[1], [1]], [[5, 6], [7]], [[-0.5, -1.0], [-2.0]],
                                        ref_logprobs=[[-1.0, -1.0], [-1.5]])
     kl = reward_kl(batch, cfg)
     torch.testing.assert_close(kl, torch.tensor([[0.5, 0.0], [-0.5, 0.0]]))
     # k3 on the same numbers: r = e^(ref - mu); row 0 token 0: e^-0.5 - 1 + 0.5 = 0.1065307
-    k3 = reward_kl(batch, cfg.model_copy(
-        update={"kl": cfg.kl.model_copy(update={"estimator": "k3"})}))
+    k3 = reward_kl(batch, load_config(None, ["algorithm.preset=rloo", "algorithm.kl.estimator=k3"]))
     assert float(k3[0, 0]) == pytest.approx(0.1065307, rel=1e-6) and float(k3[0, 1]) == 0.0
 
 
@@ -151,7 +152,10 @@ def test_reference_forward_budget_changes_the_forwards_not_the_numbers(tiny_mode
 
 @pytest.mark.slow
 def test_grpo_run_trains_on_streamed_ref_logprobs_without_a_learner_copy(ray_cluster, tmp_path):
+    """Also resizes the reward and rollout pools 1 -> 2 -> 1 between steps (cluster/worker_pool.py), on this run
+    rather than a Trainer of its own."""
     import json
+    import time
 
     import ray
 
@@ -167,7 +171,26 @@ def test_grpo_run_trains_on_streamed_ref_logprobs_without_a_learner_copy(ray_clu
     trainer = Trainer(cfg)
     trained: list[TrajectoryGroup] = []
     step = trainer.step
-    trainer.step = lambda groups: (trained.extend(groups), step(groups))[1]  # record what the learner trains on
+    resized: dict = {}
+
+    def step_then_resize(groups):  # records what the learner trains on; resizes the pools between steps
+        trained.extend(groups)
+        metrics = step(groups)
+        if trainer.version in (1, 2):
+            t0 = time.monotonic()
+            size = {1: 2, 2: 1}[trainer.version]  # 1 -> 2 after step 1, back to 1 after step 2
+            trainer.pools["reward"].resize(size)
+            t1 = time.monotonic()
+            trainer.pools["rollout"].resize(size)
+            resized[trainer.version] = {
+                "seconds": (t1 - t0, time.monotonic() - t1), "ids": trainer.supervisor.rollout_ids,
+                "controller": ray.get(trainer.controller.__ray_call__.remote(
+                    lambda c: (list(c.reward_workers), c.num_workers, sorted(c.lost_workers),
+                               sorted(c.get_worker_stats())))),
+                "reward_workers": list(trainer.reward_workers)}
+        return metrics
+
+    trainer.step = step_then_resize
     try:
         summary = trainer.run()
         holds_ref = ray.get([rank.__ray_call__.remote(lambda r: r.ref_model is not None)
@@ -186,6 +209,22 @@ def test_grpo_run_trains_on_streamed_ref_logprobs_without_a_learner_copy(ray_clu
     finally:
         trainer.shutdown()
     assert summary["steps"] == 3 and len(trained) == 3 * 2
+    # resize: the controller holds the live reward list, the rollout pool's size and the retired ids; the added
+    # rollout worker (id 1: slot 1, never used before) took part, then drained out and its id stays retired
+    print("reward, rollout pool resize seconds: 1 -> 2 {:.1f}, {:.1f}; 2 -> 1 {:.1f}, {:.1f}".format(
+        *resized[1]["seconds"], *resized[2]["seconds"]))
+    grown, shrunk = resized[1], resized[2]
+    assert grown["ids"] == [0, 1] and shrunk["ids"] == [0]
+    assert grown["controller"][:3] == (grown["reward_workers"], 2, []) and len(grown["reward_workers"]) == 2
+    assert shrunk["controller"][:3] == (shrunk["reward_workers"], 1, [1])
+    assert shrunk["reward_workers"] == grown["reward_workers"][:1]  # the launch worker stays
+    assert 1 in shrunk["controller"][3]  # the added worker synced with the controller (its stats)
+    # nothing lost, nothing trained twice: every admitted group trained, dropped with a reason, or queued
+    q = summary["queue"]
+    dropped = sum(v for k, v in q.items() if k.startswith("queue/dropped_"))
+    assert q["queue/admitted"] == q["queue/trained"] + dropped + q["queue/depth"], q
+    assert len(summary["trained_group_ids"]) == len(set(summary["trained_group_ids"])) == q["queue/trained"] == 6
+    assert summary["replaced_workers"] == {"rollout": 0, "reward": 0, "reference": 0, "critic": 0}
     assert holds_ref == [False]  # the learner rank never loaded a reference copy
     for t in [t for g in trained for t in g.trajectories]:
         assert t.ref_logprobs is not None and len(t.ref_logprobs) == len(t.response_token_ids)

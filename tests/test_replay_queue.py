@@ -3,7 +3,8 @@
 from actors.controller import PromptCursor, RolloutController
 from actors.controller_messages import SyncRequest
 from actors.replay_queue import ReplayQueue
-from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup, WeightVersion
+from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup
+from protocols.weight_announcement import WeightAnnouncement
 
 
 def make_prompts(n: int) -> list[Prompt]:
@@ -144,7 +145,7 @@ def test_synchronous_admission_splits_the_batch_over_workers():
 def test_watch_reports_stop_and_newer_weights_in_one_reply():
     c = RolloutController(make_prompts(2), prompts_per_step=1, max_staleness=0, drop_zero_variance=False, seed=0)
     assert c.watch_news(0, known_version=0) is None
-    c.publish(WeightVersion(version=1), ["ref"])
+    c.publish(WeightAnnouncement(version=1, refs=["ref"]))
     c.stop()
     news = c.watch_news(0, known_version=0)
-    assert news.stop and news.weights == (1, ["ref"])
+    assert news.stop and news.weights == WeightAnnouncement(version=1, refs=["ref"])

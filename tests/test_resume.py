@@ -282,7 +282,7 @@ def test_learner_state_on_two_ranks_loads_into_a_new_group_that_continues_like_t
         group.train_step(batch, count_normalizer(batch.loss_mask, cfg.rollout.max_response_tokens))
 
     def weights(group: LearnerGroup) -> dict:
-        packed = ray.get(group.publish_weights()["refs"][0])
+        packed = ray.get(group.publish_weights().refs[0])
         return {k: torch.from_numpy(v.copy()) for k, (_, v) in packed.items()}
 
     folder = tmp_path / "learner"

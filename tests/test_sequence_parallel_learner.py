@@ -49,7 +49,7 @@ def _run_one_step(model_path: str, preset: str, overrides: list[str]) -> tuple[d
         scores = {"policy": group.policy_logprobs(make_batch(8, 9, 4))}
         if preset == "grpo":  # the in-learner reference model (KL in the loss)
             scores["ref"] = group.ref_logprobs(make_batch(8, 9, 4))
-        packed = ray.get(group.publish_weights()["refs"][0])
+        packed = ray.get(group.publish_weights().refs[0])
     finally:
         group.shutdown()
     scores["weights"] = {k: torch.from_numpy(v.copy()) for k, (_, v) in packed.items()}

@@ -31,7 +31,7 @@ def grpo_config(overrides: list[str]):
 
 
 def packed_weights(group) -> dict[str, torch.Tensor]:
-    packed = ray.get(group.publish_weights()["refs"][0])
+    packed = ray.get(group.publish_weights().refs[0])
     return {k: torch.from_numpy(v.copy()) for k, (_, v) in packed.items()}
 
 

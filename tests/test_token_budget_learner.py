@@ -44,7 +44,7 @@ def run_two_steps(model_path: str, overrides: list[str]) -> tuple[list[dict], di
         # step 2's longer responses need more micro-batches than step 1's: the accumulation boundary must follow
         metrics = [group.train_step(b, normalizer(b)) for b in (make_batch(8, 4, 0), make_batch(8, 14, 1))]
         logprobs = group.policy_logprobs(make_batch(8, 6, 2))
-        packed = ray.get(group.publish_weights()["refs"][0])
+        packed = ray.get(group.publish_weights().refs[0])
     finally:
         group.shutdown()
     weights = {k: torch.from_numpy(v.copy()) for k, (_, v) in packed.items()}

@@ -7,8 +7,8 @@ import pytest
 from cluster.demo_model import build_tokenizer
 from protocols.tools import ToolsConfig
 from protocols.trajectory import Prompt, ToolCall, Trajectory
-from rewards.tool_calls import (MalformedCall, ParsedCall, parse_call, render_output, stop_strings, tool_counts,
-                                tool_metrics)
+from rewards.tool_calls import (MAX_CALL_CHARS, MAX_JSON_DEPTH, MalformedCall, ParsedCall, parse_call, render_output,
+                                stop_strings, tool_counts, tool_metrics)
 
 CFG = ToolsConfig(builtin=["calculator", "python"])
 
@@ -66,6 +66,47 @@ def test_malformed_calls_say_why(turn, reason):
     parsed = parse_call(turn, CFG)
     assert isinstance(parsed, MalformedCall)
     assert reason in parsed.reason
+
+
+def test_a_json_call_nested_1000_deep_is_malformed_not_a_recursion_error():
+    # 1000 `[` in the arguments plus the call's own `{`: 1001 levels, over MAX_JSON_DEPTH = 64
+    turn = '<tool_call>{"name": "python", "arguments": ' + "[" * 1000 + "]" * 1000 + "}</tool_call>"
+    assert parse_call(turn, CFG) == MalformedCall(f"JSON call nested 1001 levels deep; at most {MAX_JSON_DEPTH}")
+
+
+def test_a_json_call_at_the_depth_limit_is_read():
+    # the call's `{` and 63 `[`: 64 levels, exactly MAX_JSON_DEPTH
+    turn = '<tool_call>{"name": "f", "arguments": ' + "[" * 63 + "]" * 63 + "}</tool_call>"
+    assert parse_call(turn, CFG) == ParsedCall("f", "[" * 63 + "]" * 63)
+
+
+def test_brackets_inside_json_strings_are_not_nesting():
+    # 100 `[` inside a string (with an escaped quote) are text, not depth: the call is 1 level deep
+    code = "[" * 100 + '\\"'  # ends in an escaped quote
+    turn = '<tool_call>{"name": "python", "arguments": "' + code + '"}</tool_call>'
+    assert parse_call(turn, CFG) == ParsedCall("python", "[" * 100 + '"')
+
+
+def test_a_100000_deep_call_is_refused_by_its_size():
+    # 100,000 `{` and as many `}`: 200,000 characters, over MAX_CALL_CHARS = 100,000, refused unread
+    turn = "<tool_call>" + "{" * 100_000 + "}" * 100_000 + "</tool_call>"
+    assert parse_call(turn, CFG) == MalformedCall(f"call of 200000 characters; a call has at most {MAX_CALL_CHARS}")
+
+
+def test_a_json_number_past_the_int_digit_limit_is_malformed():
+    # json.loads raises ValueError (not JSONDecodeError) for a 5000-digit integer: a malformed call all the same
+    turn = '<tool_call>{"name": "calculator", "arguments": ' + "1" * 5000 + "}</tool_call>"
+    parsed = parse_call(turn, CFG)
+    assert isinstance(parsed, MalformedCall)
+    assert "more than 4300 digits" in parsed.reason
+
+
+def test_a_sample_the_agent_loop_marked_malformed_counts_once_without_parsing_its_text_again():
+    # the count reads the agent loop's verdict (Trajectory.malformed_call), not the text: a text that would
+    # parse as a malformed call counts 0 unless marked, and a marked sample counts 1 whatever its text
+    deep = '<tool_call>{"name": "python", "arguments": ' + "[" * 1000 + "]" * 1000 + "}</tool_call>"
+    assert tool_counts([_traj(0, deep, 2, None, malformed=True)])["malformed_calls"] == 1
+    assert tool_counts([_traj(0, deep, 2, None)])["malformed_calls"] == 0
 
 
 def test_only_a_body_starting_with_a_brace_is_read_as_json():
@@ -164,13 +205,14 @@ def test_default_template_renders_the_tags(char_tokenizer):
 
 
 # ----- metrics --------------------------------------------------------------------------------------------------
-def _traj(index: int, text: str, n_tokens: int, calls: list[ToolCall] | None, finish: str = "stop") -> Trajectory:
+def _traj(index: int, text: str, n_tokens: int, calls: list[ToolCall] | None, finish: str = "stop",
+          malformed: bool = False) -> Trajectory:
     versions = [0] * n_tokens
     for call in calls or []:
         versions[call.output_start: call.output_start + call.output_tokens] = [-1] * call.output_tokens
     return Trajectory(group_id="g", sample_index=index, prompt=Prompt(prompt_id="p", prompt_token_ids=[0]),
                       response_token_ids=[5] * n_tokens, behavior_logprobs=[0.0] * n_tokens, token_versions=versions,
-                      finish_reason=finish, response_text=text, tool_calls=calls)
+                      finish_reason=finish, response_text=text, tool_calls=calls, malformed_call=malformed)
 
 
 def _call(start: int, tokens: int, text_end: int, error: str = "", seconds: float = 0.0,
@@ -191,9 +233,9 @@ def test_tool_metrics_of_a_batch():
         # no call: a plain answer of 5 tokens
         _traj(2, "2", 5, None),
         # a malformed call (no name): the sample ended there as a plain answer; 5 tokens
-        _traj(3, "<tool_call>1+1</tool_call>", 5, None),
+        _traj(3, "<tool_call>1+1</tool_call>", 5, None, malformed=True),
     ]
-    metrics = tool_metrics(tool_counts(batch, CFG))
+    metrics = tool_metrics(tool_counts(batch))
     assert metrics == {
         "tools/turns_per_sample": (3 + 2 + 1 + 1) / 4,
         "tools/calls_per_sample": 3 / 4,
@@ -213,15 +255,15 @@ def test_tool_counts_add_over_steps():
     plain = [_traj(0, "2", 5, None)]
     one_call = [_traj(0, "<tool_call>calculator:1+1</tool_call><tool_response>2</tool_response>2", 10,
                       [_call(3, 4, 70, seconds=2.0)])]
-    total = tool_counts(plain, CFG) + tool_counts(one_call, CFG)
+    total = tool_counts(plain) + tool_counts(one_call)
     metrics = tool_metrics(total)
     # 2 samples, 1 call: 0.5 calls per sample, turns (1 + 2) / 2, tool tokens 4 of 15
     assert (metrics["tools/calls_per_sample"], metrics["tools/turns_per_sample"]) == (0.5, 1.5)
     assert metrics["tools/token_share"] == 4 / 15
-    assert tool_metrics(tool_counts([], CFG))["tools/calls_per_sample"] == 0.0
+    assert tool_metrics(tool_counts([]))["tools/calls_per_sample"] == 0.0
 
 
 def test_tool_metric_names_are_in_a_documented_section():
     from protocols.metrics import unknown_names
 
-    assert unknown_names(tool_metrics(tool_counts([_traj(0, "2", 5, None)], CFG))) == []
+    assert unknown_names(tool_metrics(tool_counts([_traj(0, "2", 5, None)]))) == []

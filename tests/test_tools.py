@@ -12,7 +12,7 @@ import pytest
 
 from protocols.reward import CodeSandboxConfig, RewardConfig
 from protocols.tools import ToolsConfig
-from rewards.tools import MAX_RESULT_DIGITS, ToolBox, calculate
+from rewards.tools import MAX_EXPRESSION_DEPTH, MAX_RESULT_DIGITS, ToolBox, calculate
 
 # As the sandbox tests: wall limit generous for a loaded machine, CPU limit short.
 REWARD = RewardConfig(code=CodeSandboxConfig(run_timeout_s=5.0, cpu_time_s=2))
@@ -53,14 +53,54 @@ def test_division_by_zero_is_an_exception(box):
     assert (result.output, result.error) == ("ZeroDivisionError: division by zero", "exception")
 
 
-@pytest.mark.parametrize("expression", ["9**9**9", "10**1001", "(10**600) * (10**600)", "2.0 ** 5000"])
+@pytest.mark.parametrize("expression", ["9**9**9", "10**1000", "10**1001", "(10**600) * (10**600)", "2.0 ** 5000",
+                                        "2 ** (10**999)", "(-10) ** 1001"])
 def test_huge_numbers_are_refused_not_computed(box, expression):
-    # 9**(9**9) has 9**9 * log10(9) = 3.7e8 digits; 10**1001 has 1002; 10**1200 has 1201: all over 1000
+    # 9**(9**9) has 9**9 * log10(9) = 3.7e8 digits; 10**1000 has 1001; 10**1001 has 1002; 10**1200 has 1201;
+    # 2**(10**999) about 3e998: all over 1000
     start = time.monotonic()
     result = box.run("calculator", expression)
     assert result.error == "exception"
     assert f"more than {MAX_RESULT_DIGITS} digits" in result.output
     assert time.monotonic() - start < 5.0  # refused at once (a computed 9**9**9 takes minutes)
+
+
+def test_the_largest_number_allowed_has_1000_digits():
+    # 10**999 is 1 and 999 zeros: 1000 digits, the most MAX_RESULT_DIGITS allows
+    assert calculate("10**999") == "1" + "0" * 999
+    assert len(calculate("2**3321")) == 1000  # 3321 * log10(2) = 999.7: 5.3e999, 1000 digits
+    with pytest.raises(ValueError, match="more than 1000 digits"):
+        calculate("2**3322")  # 3322 * log10(2) = 1000.02: 1001 digits
+
+
+def test_a_power_tower_is_refused_at_once():
+    # 9**9**9 is 9**387420489: refused from its size, never computed
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="9 \\*\\* 387420489 has more than 1000 digits"):
+        calculate("9**9**9")
+    assert time.perf_counter() - start < 1.0
+
+
+def test_a_deeply_nested_expression_is_refused_before_evaluation():
+    # 999 unary minus signs and a 1: 1000 characters, a syntax tree 1000 levels deep (999 - and the number)
+    with pytest.raises(ValueError, match=f"nested 1000 levels deep; the calculator takes at most {MAX_EXPRESSION_DEPTH}"):
+        calculate("-" * 999 + "1")
+    # 200 levels is the limit: 199 minus signs and the number
+    assert calculate("-" * 199 + "1") == "-1"
+
+
+def test_201_nested_parentheses_are_a_syntax_error_not_a_crash():
+    # Python's parser refuses more than 200 nested parentheses itself
+    with pytest.raises(ValueError, match="too many nested parentheses"):
+        calculate("(" * 201 + "1" + ")" * 201)
+
+
+def test_a_value_past_the_float_range_is_refused():
+    # 10**400 / 3 is a float division: 3.3e399 is past the float range (1.8e308), so OverflowError becomes a refusal
+    with pytest.raises(ValueError, match="too large for a float"):
+        calculate("10**400 / 3")
+    with pytest.raises(ValueError, match="too large for a float"):
+        calculate("10.0 ** 400")
 
 
 @pytest.mark.parametrize(("expression", "message"), [

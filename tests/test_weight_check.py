@@ -9,9 +9,9 @@ import pytest
 
 from actors import weight_probe_requests
 from actors.weight_probe_requests import ProbingEngine
-from cluster.weight_check import WeightCheck, WeightSyncMismatch
 from protocols.config import ConfigError, load_config
 from protocols.weight_probe import build_weight_probe, check_probe_fits, probe_gap, run_probe
+from weights.sync_check import WeightCheck, WeightSyncMismatch
 
 
 def test_probe_is_the_same_in_every_process_and_spread_over_the_vocabulary():

@@ -1,11 +1,12 @@
-"""Delta encoding of weight versions (learner/weight_delta.py) without Ray or vLLM: exact round trips of raw bits
+"""Delta encoding of weight versions (weights/delta.py) without Ray or vLLM: exact round trips of raw bits
 in fp32 and bf16, for sparse, dense, empty and aliased changes, and the size of each form."""
 
 import pytest
 import torch
 
-from learner.weight_delta import (ALIAS, BITMASK, DENSE, GAPS, INDICES, UNCHANGED, PreviousWeights, apply_delta,
-                                  bits, choose_kind, gap_positions, pack_bits, section_bytes, unpack_bits)
+from protocols.weight_announcement import DeltaStats, WeightAnnouncement
+from weights.delta import (ALIAS, BITMASK, DENSE, GAPS, INDICES, UNCHANGED, PreviousWeights, apply_delta, bits,
+                           choose_kind, gap_positions, pack_bits, section_bytes, unpack_bits)
 
 
 def _model(seed: int, dtype: torch.dtype, tied: bool = True) -> list[tuple[str, torch.Tensor]]:
@@ -171,7 +172,7 @@ class _FakeRay:
 def _object_store(monkeypatch, dtype=torch.bfloat16):
     import sys
 
-    from learner.transport_object_store import ObjectStoreReceiver, ObjectStoreSender
+    from weights.object_store import ObjectStoreReceiver, ObjectStoreSender
     from protocols.config import load_config
 
     monkeypatch.setitem(sys.modules, "ray", _FakeRay())
@@ -179,9 +180,10 @@ def _object_store(monkeypatch, dtype=torch.bfloat16):
     return ObjectStoreSender(cfg, on_gpu=False), lambda: ObjectStoreReceiver(cfg)
 
 
-def _loaded(receiver, version, refs):
+def _loaded(receiver, announcement: WeightAnnouncement):
     got = {}
-    assert receiver.load(version, refs, lambda pairs: got.update((n, t.clone()) for n, t in pairs)) == version
+    loaded = receiver.load(announcement, lambda pairs: got.update((n, t.clone()) for n, t in pairs))
+    assert loaded == announcement.version
     return list(got.items())
 
 
@@ -190,40 +192,40 @@ def test_object_store_chain_serves_current_behind_and_new_workers(monkeypatch):
     current, behind = new_receiver(), new_receiver()
     weights = _model(0, torch.bfloat16)
     first = sender.publish(iter(weights), 1)
-    assert first["delta"]["base_version"] is None and len(first["refs"]) == 1  # the keyframe alone
-    assert _same_bits(_loaded(current, 1, first["refs"]), weights)
-    assert _same_bits(_loaded(behind, 1, first["refs"]), weights)
+    assert first.delta.base_version is None and len(first.refs) == 1  # the keyframe alone
+    assert _same_bits(_loaded(current, first), weights)
+    assert _same_bits(_loaded(behind, first), weights)
     full_bytes = current.read_bytes
     for v in range(2, 5):
         weights = _step(weights, 0.02, seed=v)
         published = sender.publish(iter(weights), v)
-        assert published["delta"]["base_version"] == v - 1 and published["num_bytes"] < full_bytes / 3
+        assert published.delta.base_version == v - 1 and published.num_bytes < full_bytes / 3
         before = current.read_bytes
-        assert _same_bits(_loaded(current, v, published["refs"]), weights)
-        assert current.read_bytes - before == published["num_bytes"]  # one delta, not the full version
+        assert _same_bits(_loaded(current, published), weights)
+        assert current.read_bytes - before == published.num_bytes  # one delta, not the full version
     # `behind` holds version 1, the chain's keyframe: it applies the three deltas, still not a full read
-    assert _same_bits(_loaded(behind, 4, published["refs"]), weights)
+    assert _same_bits(_loaded(behind, published), weights)
     assert behind.read_bytes - full_bytes < full_bytes
     # a replaced worker holds nothing: keyframe, then every delta
     fresh = new_receiver()
-    assert _same_bits(_loaded(fresh, 4, published["refs"]), weights) and fresh.read_bytes > full_bytes
+    assert _same_bits(_loaded(fresh, published), weights) and fresh.read_bytes > full_bytes
 
 
 def test_object_store_puts_a_new_keyframe_when_the_deltas_outgrow_it(monkeypatch):
     sender, new_receiver = _object_store(monkeypatch)
     weights = _model(0, torch.bfloat16)
     early = new_receiver()
-    _loaded(early, 1, sender.publish(iter(weights), 1)["refs"])
+    _loaded(early, sender.publish(iter(weights), 1))
     versions = {1: weights}
     for v in range(2, 12):  # 30% changed: each delta is about a third of the model, so a keyframe every ~3
         versions[v] = _step(versions[v - 1], 0.3, seed=v)
         published = sender.publish(iter(versions[v]), v)
-        keyframe, *deltas = published["refs"]
+        keyframe, *deltas = published.refs
         assert sum(d[-1] for d in deltas) <= 2 * keyframe[-1]  # the store holds at most about two model copies
     assert keyframe[2] > 1  # a later keyframe replaced the first
     # the worker still at version 1 is behind the new keyframe: it reads it (and the deltas after), ends exact
     before = early.read_bytes
-    assert _same_bits(_loaded(early, 11, published["refs"]), versions[11])
+    assert _same_bits(_loaded(early, published), versions[11])
     assert early.read_bytes - before >= keyframe[-1]
 
 
@@ -234,9 +236,9 @@ def test_a_failed_delta_send_makes_the_next_publish_full(monkeypatch):
     with pytest.raises(ValueError, match="must go in full"):
         sender.publish(iter(weights[:2]), 2)  # the model lost tensors: refused, and the copy is dropped
     published = sender.publish(iter(weights), 3)
-    assert published["delta"]["base_version"] is None and len(published["refs"]) == 1
+    assert published.delta.base_version is None and len(published.refs) == 1
     receiver = new_receiver()
-    assert _same_bits(_loaded(receiver, 3, published["refs"]), weights)
+    assert _same_bits(_loaded(receiver, published), weights)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -250,16 +252,16 @@ def test_collective_deltas_over_gloo_equal_a_full_broadcast(dtype):
     delta_sender.previous = PreviousWeights()  # what weight_sync.delta=true builds
     try:
         published = delta_sender.publish(iter(weights), 1)
-        assert published["delta"]["base_version"] is None
+        assert published.delta.base_version is None
         for v in range(2, 6):
             weights = _step(weights, 0.05, seed=v)
             published = delta_sender.publish(iter(weights), v)
-            assert published["delta"]["base_version"] == v - 1
-            assert published["num_bytes"] < delta_sender.layout.num_bytes
+            assert published.delta.base_version == v - 1
+            assert published.num_bytes < delta_sender.layout.num_bytes
             if v == 3:
                 continue  # the loops skip version 3: their threads still apply its delta
             for receiver in receivers:
-                got = _loaded(receiver, v, [])
+                got = _loaded(receiver, published)
                 assert _same_bits(got, weights), f"{dtype}: version {v} differs after deltas"
     finally:
         for receiver in receivers:
@@ -267,12 +269,14 @@ def test_collective_deltas_over_gloo_equal_a_full_broadcast(dtype):
 
 
 def test_delta_metrics_say_full_or_the_changed_fraction():
-    from learner.weight_delta import delta_metrics
+    from weights.delta import delta_metrics
 
-    assert delta_metrics({"num_bytes": 10}) == {}  # dense
-    assert delta_metrics({"delta": {"base_version": None, "payload_bytes": 10}}) == {"weights/delta_full": 1.0}
+    assert delta_metrics(WeightAnnouncement(version=1, num_bytes=10)) == {}  # dense
+    full = WeightAnnouncement(version=1, delta=DeltaStats(base_version=None, payload_bytes=10))
+    assert delta_metrics(full) == {"weights/delta_full": 1.0}
     # 25 of 1000 elements changed
-    assert delta_metrics({"delta": {"base_version": 3, "changed_elements": 25, "elements": 1000}}) == {
+    delta = DeltaStats(base_version=3, payload_bytes=200, changed_elements=25, elements=1000)
+    assert delta_metrics(WeightAnnouncement(version=4, delta=delta)) == {
         "weights/delta_full": 0.0, "weights/changed_frac": 0.025}
 
 
@@ -287,6 +291,6 @@ def test_a_collective_delta_against_a_version_the_engine_lacks_is_named():
     try:
         sender.publish(iter(_step(weights, 0.1, seed=1)), 6)
         with pytest.raises(RuntimeError, match="changes to version 5, but this engine holds version 0"):
-            receiver.stage(6, [])
+            receiver.stage(WeightAnnouncement(version=6))
     finally:
         receiver.close()

@@ -5,8 +5,8 @@ import pytest
 import ray
 import torch
 
-from learner.transport_object_store import unpack_state_dict
 from protocols.config import load_config
+from weights.object_store import unpack_state_dict
 
 pytestmark = pytest.mark.slow
 
@@ -23,8 +23,8 @@ def test_zero3_publish_gathers_per_bucket_and_matches_the_checkpoint(ray_cluster
     try:
         first = group.publish_weights(1)
         second = group.publish_weights(2)  # the reused host buffers give the same bytes again
-        weights = dict(unpack_state_dict(ray.get(second["refs"][0])))
-        again = dict(unpack_state_dict(ray.get(first["refs"][0])))
+        weights = dict(unpack_state_dict(ray.get(second.refs[0])))
+        again = dict(unpack_state_dict(ray.get(first.refs[0])))
     finally:
         group.shutdown()
     initial = load_file(f"{tiny_models['tied']}/model.safetensors")
@@ -33,4 +33,4 @@ def test_zero3_publish_gathers_per_bucket_and_matches_the_checkpoint(ray_cluster
     for name, tensor in expected.items():
         torch.testing.assert_close(weights[name], tensor, rtol=0, atol=0, msg=name)
         torch.testing.assert_close(again[name], tensor, rtol=0, atol=0, msg=name)
-    assert second["num_bytes"] == sum(t.numel() * t.element_size() for t in expected.values())
+    assert second.num_bytes == sum(t.numel() * t.element_size() for t in expected.values())

@@ -35,7 +35,7 @@ def _sync_gap(ray_cluster, path: str, overrides: list[str], then=None) -> tuple[
         before = ray.get(worker.sequence_logprobs.remote(batch.prompt_ids, responses))
         learner.train_step(batch, count_normalizer(batch.loss_mask, cfg.rollout.max_response_tokens))
         published = learner.publish_weights(1)
-        ray.get(worker.load_weights.remote(1, published["refs"]))
+        ray.get(worker.load_weights.remote(published))
         assert ray.get(worker.get_version.remote()) == 1
         after_vllm = ray.get(worker.sequence_logprobs.remote(batch.prompt_ids, responses))
         after_learner = batch.per_sample_rows(learner.policy_logprobs(batch))
@@ -60,8 +60,8 @@ def _probe_check(found: dict, path: str, cfg, learner, worker, batch) -> None:
     the version and the worker; version 3 loaded whole passes again. Gaps go into `found`."""
     from transformers import AutoTokenizer
 
-    from cluster.weight_check import WeightCheck, WeightSyncMismatch
     from protocols.weight_probe import probe_gap
+    from weights.sync_check import WeightCheck, WeightSyncMismatch
 
     vocab = len(AutoTokenizer.from_pretrained(path))
     check = WeightCheck(cfg, vocab, cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens)
@@ -72,7 +72,7 @@ def _probe_check(found: dict, path: str, cfg, learner, worker, batch) -> None:
 
     def train_and_load(version: int) -> list[dict]:
         learner.train_step(batch, count_normalizer(batch.loss_mask, cfg.rollout.max_response_tokens))
-        ray.get(worker.load_weights.remote(version, learner.publish_weights(version)["refs"]))
+        ray.get(worker.load_weights.remote(learner.publish_weights(version)))
         learner_scores(version)
         return ray.get(worker.weight_probes.remote())
 
@@ -109,7 +109,7 @@ def test_vllm_matches_learner_after_update_and_push(ray_cluster, tiny_models, tr
         variants.append("tied, tensor-parallel engine")
     results = at_once(*calls)
     for variant, (gap, moved, published) in zip(variants, results):
-        assert (published["refs"] == []) == (transport == "collective")
+        assert (published.refs == []) == (transport == "collective")
         assert gap < 1e-4, f"{variant}/{transport}: vLLM and learner log-probs differ by {gap} after the push"
         # lr 1e-2 moves log-probs far more than the tolerance, so a push that did nothing cannot pass
         assert moved > 1e-2, f"{variant}/{transport}: the update moved vLLM's log-probs by only {moved}"

@@ -1,4 +1,4 @@
-"""Delta sync on the real stack (weight_sync.delta, learner/weight_delta.py): a real vLLM engine fed by a real
+"""Delta sync on the real stack (weight_sync.delta, weights/delta.py): a real vLLM engine fed by a real
 DeepSpeed learner through each transport, after several optimizer steps, holds the learner's weights bit for bit
 and scores exactly as after a full version; a worker that is new (a replacement) or behind reads a full version.
 One engine + learner pair per transport (each costs about 45 s)."""
@@ -9,9 +9,10 @@ import torch
 
 from actors.rollout_worker import RolloutWorker
 from learner.objective import count_normalizer
-from learner.weight_delta import bits
 from protocols.config import load_config
+from protocols.weight_announcement import WeightAnnouncement
 from tests.test_learner_sharding import make_batch
+from weights.delta import bits
 
 pytestmark = pytest.mark.slow
 
@@ -58,11 +59,11 @@ def _setup(tiny_models, transport: str):
     return cfg, learner, worker
 
 
-def _train_and_push(learner, worker, batch, cfg, version: int, load: bool = True) -> dict:
+def _train_and_push(learner, worker, batch, cfg, version: int, load: bool = True) -> WeightAnnouncement:
     learner.train_step(batch, count_normalizer(batch.loss_mask, cfg.rollout.max_response_tokens))
     published = learner.publish_weights(version)
     if load:
-        ray.get(worker.load_weights.remote(version, published["refs"]))
+        ray.get(worker.load_weights.remote(published))
     return published
 
 
@@ -83,10 +84,10 @@ def test_object_store_deltas_equal_the_learner_bit_for_bit_and_a_new_worker_read
         batch = make_batch(8, seed=3)
         before = _scores(worker, batch)
         first = _train_and_push(learner, worker, batch, cfg, 1)
-        assert first["delta"]["base_version"] is None  # nothing to encode against yet
+        assert first.delta.base_version is None  # nothing to encode against yet
         for version in (2, 3):
             published = _train_and_push(learner, worker, batch, cfg, version)
-            assert published["delta"]["base_version"] == version - 1
+            assert published.delta.base_version == version - 1
         # behind: versions 4 and 5 published, the worker loads 5 from 3 (two deltas, or the keyframe)
         _train_and_push(learner, worker, batch, cfg, 4, load=False)
         published = _train_and_push(learner, worker, batch, cfg, 5)
@@ -101,9 +102,9 @@ def test_object_store_deltas_equal_the_learner_bit_for_bit_and_a_new_worker_read
         # the engine then scores exactly as after the delta path (same bits loaded)
         ray.get(worker.replace_receiver.remote())
         republished = learner.publish_weights(6)  # no step: the same weights, an empty delta
-        assert republished["delta"]["changed_elements"] == 0
-        keyframe = republished["refs"][0]
-        ray.get(worker.load_weights.remote(6, republished["refs"]))
+        assert republished.delta.changed_elements == 0
+        keyframe = republished.refs[0]
+        ray.get(worker.load_weights.remote(republished))
         assert ray.get(worker.read_bytes.remote()) >= keyframe[-1]
         _assert_same(ray.get(worker.held_bits.remote()), _learner_bits(learner, tmp_path))
         assert _scores(worker, batch) == after_deltas
@@ -116,19 +117,19 @@ def test_collective_deltas_equal_a_full_broadcast_bit_for_bit(ray_cluster, tiny_
     cfg, learner, worker = _setup(tiny_models, "collective")
     try:
         batch = make_batch(8, seed=3)
-        assert _train_and_push(learner, worker, batch, cfg, 1)["delta"]["base_version"] is None
+        assert _train_and_push(learner, worker, batch, cfg, 1).delta.base_version is None
         _train_and_push(learner, worker, batch, cfg, 2)
         _train_and_push(learner, worker, batch, cfg, 3, load=False)  # the loop skips 3; its thread applies it
         published = _train_and_push(learner, worker, batch, cfg, 4)
-        assert published["delta"]["base_version"] == 3 and ray.get(worker.get_version.remote()) == 4
+        assert published.delta.base_version == 3 and ray.get(worker.get_version.remote()) == 4
         _assert_same(ray.get(worker.held_bits.remote()), _learner_bits(learner, tmp_path))
         after_deltas = _scores(worker, batch)
         # a rejoin (as after a replaced engine) opens a new group whose first broadcast is full: same weights,
         # so the engine must score exactly as after the deltas
         learner.join_weight_group([worker])
         full = learner.publish_weights(5)
-        assert full["delta"]["base_version"] is None
-        ray.get(worker.load_weights.remote(5, []))
+        assert full.delta.base_version is None
+        ray.get(worker.load_weights.remote(full))
         assert _scores(worker, batch) == after_deltas
         _assert_same(ray.get(worker.held_bits.remote()), _learner_bits(learner, tmp_path))
     finally:

@@ -9,10 +9,11 @@ import time
 import pytest
 import torch
 
-from learner.transport_collective import CollectiveReceiver, CollectiveSender, group_info, open_weight_group
-from learner.transport_object_store import HostBuffers, host_arrays, host_copy_seconds, unpack_state_dict
 from protocols.config import load_config
+from protocols.weight_announcement import WeightAnnouncement
 from protocols.weight_wire import BucketLayout, WeightMeta, metas_of
+from weights.collective import CollectiveReceiver, CollectiveSender, group_info, open_weight_group
+from weights.object_store import HostBuffers, host_arrays, host_copy_seconds, unpack_state_dict
 
 CFG = load_config(None, ["weight_sync.type=collective"])
 
@@ -109,10 +110,11 @@ def test_collective_broadcast_delivers_each_version_exactly(num_receivers):
     try:
         for version in (1, 2):
             weights = _weights(version)
-            stats = sender.publish(iter(weights), version)
-            assert stats["refs"] == [] and stats["num_bytes"] == 512 + 128 + 32 + 512 and stats["seconds"] >= 0
+            announcement = sender.publish(iter(weights), version)
+            assert announcement.version == version and announcement.refs == []
+            assert announcement.num_bytes == 512 + 128 + 32 + 512 and announcement.seconds >= 0
             for receiver in receivers:
-                got_version, got = receiver.stage(version, [])
+                got_version, got = receiver.stage(announcement)
                 try:
                     assert got_version == version
                     for (name, expected), (got_name, tensor) in zip(weights, got):
@@ -131,11 +133,11 @@ def test_collective_receiver_keeps_the_newest_unloaded_version():
         sender.publish(iter(_weights(1)), 1)
         sender.publish(iter(_weights(2)), 2)  # the loop never loaded version 1
         applied = []
-        version = receiver.load(1, [], lambda pairs: applied.append(pairs[0][1].clone()))
+        version = receiver.load(WeightAnnouncement(version=1), lambda pairs: applied.append(pairs[0][1].clone()))
         assert version == 2 and torch.equal(applied[0], _weights(2)[0][1])
         # load released the staging lock: the receiver thread can stage the next version
         sender.publish(iter(_weights(3)), 3)
-        assert receiver.load(3, [], lambda pairs: None) == 3
+        assert receiver.load(WeightAnnouncement(version=3), lambda pairs: None) == 3
     finally:
         receiver.close()
 
@@ -182,7 +184,7 @@ def test_layout_mismatch_is_reported_by_the_receiver():
     thread.start()
     try:
         with pytest.raises(RuntimeError, match="layout") as err:
-            receiver.stage(1, [])
+            receiver.stage(WeightAnnouncement(version=1))
         assert "object_store" in str(err.value)
     finally:
         receiver.close()
@@ -201,10 +203,10 @@ def test_broadcast_to_a_dead_engine_raises_broadcast_failed_and_drains_the_weigh
     import sys
     from pathlib import Path
 
-    from learner.weight_transport import BroadcastFailed
+    from weights.transport import BroadcastFailed
 
     port = _free_port()
-    code = ("import time; from learner.transport_collective import open_weight_group; "
+    code = ("import time; from weights.collective import open_weight_group; "
             f"open_weight_group('127.0.0.1', {port}, 1, 2, 'gloo', 30.0); time.sleep(600)")
     repo = str(Path(__file__).resolve().parents[1])
     child = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": repo})
@@ -240,8 +242,8 @@ def _weight_sync_types() -> list[str]:
 
 
 def test_every_weight_sync_type_has_a_sender_and_a_receiver():
-    from learner.weight_backends import BACKENDS, weight_backend
-    from learner.weight_transport import WeightReceiver, WeightSender
+    from weights.backends import BACKENDS, weight_backend
+    from weights.transport import WeightReceiver, WeightSender
 
     types = _weight_sync_types()
     assert sorted(types) == ["collective", "object_store"]
@@ -268,35 +270,35 @@ def test_collective_group_info_resolves_auto_backend_and_bucket_bytes():
 
 def test_a_receiver_that_never_joined_names_the_join():
     with pytest.raises(RuntimeError, match="not joined the weight group"):
-        CollectiveReceiver(CFG).stage(1, [])
+        CollectiveReceiver(CFG).stage(WeightAnnouncement(version=1))
 
 
 def test_object_store_receiver_applies_what_the_sender_packed():
     # The object store without Ray: the packed arrays stand in for what ray.get returns.
-    from learner import transport_object_store as object_store
+    from weights import object_store
 
     cfg = load_config(None, [])
     weights = _weights(0)
     packed = object_store.host_arrays(iter(weights), object_store.HostBuffers(pin_memory=False))
     receiver = object_store.ObjectStoreReceiver(cfg)
-    receiver.stage = lambda version, refs: (version, object_store.unpack_state_dict(refs[0]))
+    receiver.stage = lambda announcement: (announcement.version, object_store.unpack_state_dict(announcement.refs[0]))
     applied = {}
-    assert receiver.load(4, [packed], applied.update) == 4
+    assert receiver.load(WeightAnnouncement(version=4, refs=[packed]), applied.update) == 4
     assert applied.keys() == dict(weights).keys()
     for name, tensor in weights:
         assert applied[name].dtype == tensor.dtype and torch.equal(applied[name], tensor)
     with pytest.raises(RuntimeError, match="without an object ref"):
-        object_store.ObjectStoreReceiver(cfg).stage(4, [])
+        object_store.ObjectStoreReceiver(cfg).stage(WeightAnnouncement(version=4))
 
 
 def test_only_the_registry_reads_weight_sync_type():
-    """Adding a backend must not mean new branches: no module but learner/weight_backends.py compares the type."""
+    """Adding a backend must not mean new branches: no module but weights/backends.py compares the type."""
     import re
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     pattern = re.compile(r"weight_sync\.type\s*[!=]=|\.type\s*[!=]=\s*[\"'](object_store|collective)[\"']")
-    offenders = [f"{path.relative_to(root)}:{i}" for folder in ("actors", "cluster", "learner", "protocols")
+    offenders = [f"{path.relative_to(root)}:{i}" for folder in ("actors", "cluster", "learner", "protocols", "weights")
                  for path in sorted((root / folder).glob("*.py"))
                  for i, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
     assert offenders == []

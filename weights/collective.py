@@ -24,10 +24,11 @@ from typing import Iterator
 
 import torch
 
-from learner.weight_transport import (BroadcastFailed, NamedTensors, WeightBackend, WeightReceiver, WeightSender,
-                                     apply_delta)
+from protocols.weight_announcement import WeightAnnouncement
 from protocols.weight_wire import (ALTERNATIVE, BucketLayout, check_header, delta_of, header_bytes,
                                    header_from_bytes, metas_from_rows)
+from weights.transport import (BroadcastFailed, NamedTensors, WeightBackend, WeightReceiver, WeightSender,
+                               apply_delta)
 
 log = logging.getLogger(__name__)
 POLL_S = 0.01  # latency added to a version's arrival, at most
@@ -120,7 +121,7 @@ class CollectiveSender(WeightSender):
     def _broadcast(self, tensor: torch.Tensor):
         return self.group.broadcast(tensor, 0)
 
-    def send(self, weights: NamedTensors, version: int) -> dict:
+    def send(self, weights: NamedTensors, version: int) -> WeightAnnouncement:
         """Broadcast one version. `weights` yields tensors in the layout's order (checked)."""
         if self.group is None:
             raise RuntimeError("weight_sync.type=collective but the learner has not joined the weight group; "
@@ -138,9 +139,9 @@ class CollectiveSender(WeightSender):
             raise
         for _ in it:  # let a layer-by-layer gather finish its collectives
             pass
-        return {"refs": [], "num_tensors": len(self.layout.metas), "num_bytes": self.layout.num_bytes}
+        return WeightAnnouncement(version=version, num_tensors=len(self.layout.metas), num_bytes=self.layout.num_bytes)
 
-    def send_delta(self, payload: torch.Tensor, version: int, base: int) -> dict:
+    def send_delta(self, payload: torch.Tensor, version: int, base: int) -> WeightAnnouncement:
         """Broadcast one delta payload (host bytes; copied to the group's device first) in bucket-size pieces."""
         if self.group is None:
             raise RuntimeError("weight_sync.type=collective but the learner has not joined the weight group; "
@@ -156,7 +157,7 @@ class CollectiveSender(WeightSender):
             except RuntimeError as err:
                 raise self._failed(f"delta bytes {start}..", err) from err
             self._wait(work, f"delta bytes {start}..")
-        return {"refs": [], "num_tensors": len(self.layout.metas), "num_bytes": size}
+        return WeightAnnouncement(version=version, num_tensors=len(self.layout.metas), num_bytes=size)
 
     def _send_buckets(self, it: Iterator[tuple[str, torch.Tensor]]) -> None:
         pending = [None] * len(self._flats)
@@ -303,9 +304,11 @@ class CollectiveReceiver(WeightReceiver):
         device = _group_device(info, torch.device("cuda"))
         self.membership = _Membership(info, device)
 
-    def stage(self, version: int, refs: list) -> tuple[int, list[tuple[str, torch.Tensor]]]:
-        """(staged version, views of the staged weights) once `version` or a newer one has arrived. Holds the
-        staging lock until `release()`, so the receiver thread cannot overwrite them while the engine loads."""
+    def stage(self, announcement: WeightAnnouncement) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+        """(staged version, views of the staged weights) once the announced version or a newer one has arrived
+        (the announcement's refs are empty: the weights came by broadcast). Holds the staging lock until
+        `release()`, so the receiver thread cannot overwrite them while the engine loads."""
+        version = announcement.version
         if self.membership is None:
             raise RuntimeError(f"weight_sync.type=collective: version {version} was announced but this worker has "
                                "not joined the weight group; LearnerGroup.join_weight_group joins every engine")

@@ -1,5 +1,5 @@
 """Delta encoding of weight versions (`weight_sync.delta`): only the elements whose bits changed since the previous
-published version travel. Used by every backend through learner/weight_transport.py (the sender's `publish`
+published version travel. Used by every backend through weights/transport.py (the sender's `publish`
 encodes with `PreviousWeights`; a receiver applies a payload with `apply_delta` to its own held copy).
 
 Exact by construction: elements are compared and copied as raw bits (an integer view of the same width), so
@@ -23,6 +23,8 @@ import math
 from typing import Iterable, Iterator
 
 import torch
+
+from protocols.weight_announcement import WeightAnnouncement
 
 UNCHANGED, INDICES, BITMASK, DENSE, ALIAS, GAPS = 0, 1, 2, 3, 4, 5
 KIND_NAMES = {UNCHANGED: "unchanged", INDICES: "indices", GAPS: "gaps", BITMASK: "bitmask", DENSE: "dense",
@@ -278,12 +280,12 @@ def delta_ratio(payload_bytes: int, dense_bytes: int) -> float:
     return dense_bytes / payload_bytes if payload_bytes else math.inf
 
 
-def delta_metrics(announcement: dict) -> dict[str, float]:
+def delta_metrics(announcement: WeightAnnouncement) -> dict[str, float]:
     """For metrics.jsonl: weights/delta_full (1 when the version went in full: the first one, or after a new
     group) and weights/changed_frac (elements changed since the previous version); {} when weight_sync is dense."""
-    stats = announcement.get("delta")
+    stats = announcement.delta
     if stats is None:
         return {}
-    if stats.get("base_version") is None:
+    if stats.base_version is None:
         return {"weights/delta_full": 1.0}
-    return {"weights/delta_full": 0.0, "weights/changed_frac": stats["changed_elements"] / max(stats["elements"], 1)}
+    return {"weights/delta_full": 0.0, "weights/changed_frac": stats.changed_elements / max(stats.elements, 1)}

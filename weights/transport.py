@@ -1,21 +1,22 @@
 """The weight-transport interface: how learner rank 0's weights reach the rollout engines, whatever the backend.
 
-Each backend is one module, learner/transport_<weight_sync.type>.py, holding a `WeightSender` (learner rank 0,
-learner/rank_weights.py) and a `WeightReceiver` (each rollout worker, actors/rollout_worker.py); both speak the
-wire format of protocols/weight_wire.py. learner/weight_backends.py picks the backend from the config, the one
-place that reads `weight_sync.type`. One version's path:
+Each backend is one module in weights/ holding a `WeightSender` (learner rank 0, learner/rank_weights.py) and a
+`WeightReceiver` (each rollout worker, actors/rollout_worker.py); both speak the wire format of
+protocols/weight_wire.py. weights/backends.py lists the backends and picks one from the config, the one place that
+reads `weight_sync.type`. One version's path:
 
-    sender.publish(weights, version) -> announcement {refs, num_tensors, num_bytes, seconds}
-    -> driver -> controller -> receiver.load(version, refs, apply) on each worker, between two decode steps
+    sender.publish(weights, version) -> WeightAnnouncement (protocols/weight_announcement.py)
+    -> driver -> controller -> receiver.load(announcement, apply) on each worker, between two decode steps
 
 `publish` and `load` are the one place a version is encoded and decoded for every backend: a check or an
 encoding shared by all backends belongs there, not in a backend. Delta sync (`weight_sync.delta`) is one: `publish`
-keeps the host copy of the last version (learner/weight_delta.py `PreviousWeights`) and hands a backend either the
+keeps the host copy of the last version (weights/delta.py `PreviousWeights`) and hands a backend either the
 full weights (`send`: the first version, or after `reset_delta`) or the encoded changes (`send_delta`); a receiver
 applies a delta to the copy it holds with `apply_delta`. What each backend does for an engine that is behind or
-new (a full version) is in its module. Torch only; a backend imports Ray inside its methods.
+new (a full version) is in its module. Torch only at load: Ray is imported inside the methods that use it.
 """
 
+import socket
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -23,7 +24,8 @@ from typing import Callable, ClassVar, Iterator
 
 import torch
 
-from learner.weight_delta import PreviousWeights, apply_delta  # noqa: F401 (receivers apply deltas with it)
+from protocols.weight_announcement import DeltaStats, WeightAnnouncement
+from weights.delta import PreviousWeights, apply_delta  # noqa: F401 (receivers apply deltas with it)
 
 NamedTensors = Iterator[tuple[str, torch.Tensor]]
 """(name, tensor) pairs in checkpoint (HF) format, in the fixed order of LearnerRank.weight_metas."""
@@ -52,18 +54,18 @@ class WeightSender(ABC):
         `device`. Only backends that form a group implement it."""
         raise RuntimeError(f"weight_sync.type={self.type} forms no weight group; nothing joins it")
 
-    def publish(self, weights: NamedTensors, version: int) -> dict:
-        """Send `weights` as `version`; returns the announcement {refs, num_tensors, num_bytes, seconds} the
-        driver hands to the controller (refs: what a receiver needs to stage it; [] when it travels by other
-        means). The iterator is run to its end even on failure: under ZeRO-3 the other ranks wait in its gathers."""
+    def publish(self, weights: NamedTensors, version: int) -> WeightAnnouncement:
+        """Send `weights` as `version`; returns the announcement the driver hands to the controller (its refs:
+        what a receiver needs to stage it; [] when it travels by other means). The iterator is run to its end
+        even on failure: under ZeRO-3 the other ranks wait in its gathers."""
         start = time.perf_counter()
         if self.previous is None:
             announcement = self.send(weights, version)
         else:
             announcement = self._publish_delta(iter(weights), version)
-        return {**announcement, "seconds": time.perf_counter() - start}
+        return announcement.model_copy(update={"seconds": time.perf_counter() - start})
 
-    def _publish_delta(self, weights: NamedTensors, version: int) -> dict:
+    def _publish_delta(self, weights: NamedTensors, version: int) -> WeightAnnouncement:
         """A full version when there is nothing to encode against (the first, or after `reset_delta`), recorded
         into the host copy as it is sent; else the changes since the copy's version. Any failure drops the copy,
         so the next publish is full again (a half-updated copy would make every later delta wrong)."""
@@ -71,31 +73,32 @@ class WeightSender(ABC):
         try:
             if base is None:
                 announcement = self.send(previous.record(weights, version), version)
-                stats = {"base_version": None, "payload_bytes": announcement["num_bytes"]}
+                stats = DeltaStats(base_version=None, payload_bytes=announcement.num_bytes)
             else:
                 payload = previous.encode(weights, version)
                 announcement = self.send_delta(payload, version, base)
-                stats = {"base_version": base, **{k: v for k, v in previous.last_stats.items() if k != "kinds"}}
+                stats = DeltaStats(base_version=base, **{k: v for k, v in previous.last_stats.items() if k != "kinds"})
         except BaseException:
             previous.reset()
             for _ in weights:  # under ZeRO-3 the other ranks wait in this iterator's gathers
                 pass
             raise
-        return {**announcement, "delta": stats}
+        return announcement.model_copy(update={"delta": stats})
 
     def reset_delta(self) -> None:
         """The receivers may not hold the last version (a new group): the next publish goes in full."""
         if self.previous is not None:
             self.previous.reset()
 
-    def send_delta(self, payload: torch.Tensor, version: int, base: int) -> dict:
-        """Transfer the delta `payload` (flat uint8, host memory) that turns `base` into `version`; returns
-        {refs, num_tensors, num_bytes}. Every backend implements it."""
+    def send_delta(self, payload: torch.Tensor, version: int, base: int) -> WeightAnnouncement:
+        """Transfer the delta `payload` (flat uint8, host memory) that turns `base` into `version`; returns its
+        announcement (version, refs, num_tensors, num_bytes). Every backend implements it."""
         raise NotImplementedError(f"weight_sync.type={self.type} has no delta path; set weight_sync.delta=false")
 
     @abstractmethod
-    def send(self, weights: NamedTensors, version: int) -> dict:
-        """The backend's encoding and transfer of one version: returns {refs, num_tensors, num_bytes}."""
+    def send(self, weights: NamedTensors, version: int) -> WeightAnnouncement:
+        """The backend's encoding and transfer of one version: returns its announcement (version, refs,
+        num_tensors, num_bytes); `publish` adds the time taken and the delta stats."""
 
 
 class WeightReceiver(ABC):
@@ -112,12 +115,13 @@ class WeightReceiver(ABC):
         backends that form a group implement it."""
         raise RuntimeError(f"weight_sync.type={self.type} forms no weight group; nothing joins it")
 
-    def load(self, version: int, refs: list, apply: Callable[[list[tuple[str, torch.Tensor]]], None]) -> int:
-        """Stage the announced `version`, hand its checkpoint-format pairs to `apply` (the engine's in-place load),
-        release them. Returns the version applied: `version`, or a newer one that has already arrived. With
+    def load(self, announcement: WeightAnnouncement,
+             apply: Callable[[list[tuple[str, torch.Tensor]]], None]) -> int:
+        """Stage the announced version, hand its checkpoint-format pairs to `apply` (the engine's in-place load),
+        release them. Returns the version applied: the announced one, or a newer one that has already arrived. With
         weight_sync.delta the backend applies the deltas to the full copy it holds and the engine loads that copy
         whole (the engine's own weights are fused and repacked: a delta cannot be applied to them in place)."""
-        loaded, weights = self.stage(version, refs)
+        loaded, weights = self.stage(announcement)
         try:
             apply(weights)
         finally:
@@ -125,9 +129,10 @@ class WeightReceiver(ABC):
         return loaded
 
     @abstractmethod
-    def stage(self, version: int, refs: list) -> tuple[int, list[tuple[str, torch.Tensor]]]:
-        """(version, checkpoint-format pairs) of `version` or newer, from the announcement's `refs`. The pairs
-        stay valid until `release()`."""
+    def stage(self, announcement: WeightAnnouncement) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+        """(version, checkpoint-format pairs) of the announced version or a newer one, from what the announcement
+        carries (its refs, for a backend that puts the weights somewhere). The pairs stay valid until
+        `release()`."""
 
     def release(self) -> None:
         """The engine has copied the staged pairs; the backend may reuse their memory."""
@@ -153,3 +158,14 @@ class WeightBackend:
     @property
     def forms_group(self) -> bool:
         return self.group_info is not None
+
+
+def group_address() -> tuple[str, int]:
+    """This node's address as Ray's other nodes reach it, and a free port on it: where a weight group's rank 0
+    serves the group's store. Ray is imported here, not at load, so the learner's modules load without it."""
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return ray.util.get_node_ip_address(), port

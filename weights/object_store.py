@@ -21,7 +21,8 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from learner.weight_transport import NamedTensors, WeightBackend, WeightReceiver, WeightSender, apply_delta
+from protocols.weight_announcement import WeightAnnouncement
+from weights.transport import NamedTensors, WeightBackend, WeightReceiver, WeightSender, apply_delta
 
 BITCAST = {torch.bfloat16: torch.int16}
 
@@ -138,7 +139,7 @@ class ObjectStoreSender(WeightSender):
         """("delta", lineage, version, base, ref, bytes) since the keyframe (and the keyframe version's own)."""
         self.lineage = ""
 
-    def send(self, weights: NamedTensors, version: int) -> dict:
+    def send(self, weights: NamedTensors, version: int) -> WeightAnnouncement:
         import ray
 
         if self.previous is not None:
@@ -151,13 +152,13 @@ class ObjectStoreSender(WeightSender):
         ref = ray.put(packed)
         num_bytes = packed_num_bytes(packed)
         if self.previous is None:
-            return {"refs": [ref], "num_tensors": len(packed), "num_bytes": num_bytes}
+            return WeightAnnouncement(version=version, refs=[ref], num_tensors=len(packed), num_bytes=num_bytes)
         # a new lineage: versions of an earlier one (before a failed send) never chain into this one
         self.lineage = os.urandom(8).hex()
         self.keyframe, self.deltas = ("full", self.lineage, version, -1, ref, num_bytes), []
-        return {"refs": self._chain(), "num_tensors": len(packed), "num_bytes": num_bytes}
+        return WeightAnnouncement(version=version, refs=self._chain(), num_tensors=len(packed), num_bytes=num_bytes)
 
-    def send_delta(self, payload: torch.Tensor, version: int, base: int) -> dict:
+    def send_delta(self, payload: torch.Tensor, version: int, base: int) -> WeightAnnouncement:
         import ray
 
         self.deltas.append(("delta", self.lineage, version, base, ray.put(payload.numpy()), payload.numel()))
@@ -168,7 +169,8 @@ class ObjectStoreSender(WeightSender):
             self.keyframe = ("full", self.lineage, version, -1, ray.put(packed), packed_num_bytes(packed))
             self.deltas = self.deltas[-1:]  # a worker one version behind still reads only the delta
             num_bytes += self.keyframe[-1]
-        return {"refs": self._chain(), "num_tensors": len(self.previous.tensors), "num_bytes": num_bytes}
+        return WeightAnnouncement(version=version, refs=self._chain(), num_tensors=len(self.previous.tensors),
+                                  num_bytes=num_bytes)
 
     def _chain(self) -> list[tuple]:
         return [self.keyframe, *self.deltas]
@@ -186,10 +188,11 @@ class ObjectStoreReceiver(WeightReceiver):
         self.read_bytes = 0
         """Bytes this worker read from the object store (over the network when the learner is on another node)."""
 
-    def stage(self, version: int, refs: list) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+    def stage(self, announcement: WeightAnnouncement) -> tuple[int, list[tuple[str, torch.Tensor]]]:
         """(version, checkpoint-format pairs) of the announced weights; dense, the pairs map the object store."""
         import ray
 
+        version, refs = announcement.version, announcement.refs
         if not refs:
             raise RuntimeError(f"weight version {version} was announced without an object ref; the learner and "
                                "this worker disagree on weight_sync.type")

@@ -1,0 +1,129 @@
+"""The critic pool: PPO's critic group (cluster/critic_group.py) as a worker pool. Its ranks stamp values on groups
+in the stream (the rollout workers' `critic_workers`) and train together beside the learner, so a dead rank breaks
+the group's collectives: its replacement is a restart of the whole group (`CriticGroup.restart` says where the
+weights come from). With critic.num_workers=0 the pool is empty: it starts, checks and saves nothing.
+"""
+
+import logging
+import time
+from pathlib import Path
+
+import ray
+
+from cluster import checkpoint
+from cluster.critic_group import CriticGroup, check_critic_model, critic_model_path
+from cluster.worker_pool import WorkerLost, WorkerPool
+from protocols.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+
+class CriticPool(WorkerPool):
+    name = "critic"
+    rollout_arg = "critic_workers"
+
+    @classmethod
+    def launch_size(cls, cfg: RunConfig) -> int:
+        return cfg.critic.num_workers
+
+    @classmethod
+    def precheck(cls, cfg: RunConfig, model_path: str) -> None:
+        """PPO's critic reads the policy's token ids: the same tokenizer and vocabulary, checked before any actor."""
+        if cfg.critic.enabled:
+            check_critic_model(model_path, critic_model_path(cfg, model_path), cfg.model.trust_remote_code)
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        self.group: CriticGroup | None = None
+
+    def start(self) -> None:
+        """The ranks start (their group is joined in `ready`, after the learner's group started meanwhile)."""
+        if self.size:
+            self.group = CriticGroup(self.cfg, critic_model_path(self.cfg, self.ctx.model_path), self.ctx.placement,
+                                     join=False)
+
+    def ready(self) -> None:
+        """Join the ranks' group; no group is scored before the run starts, so the controller knows their ids
+        before any can fail."""
+        if self.group is not None:
+            self.group.join()
+            ray.get(self.ctx.controller.set_critic_actor_ids.remote(self.group.actor_ids()))
+
+    def handles(self) -> list:
+        return self.group.workers if self.group is not None else []
+
+    def writers(self) -> list:
+        return self.handles()
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.shutdown()
+
+    def check(self) -> None:
+        """A dead critic rank fails every group in the stream: restart the group."""
+        if self.group is not None:
+            lost = self.group.dead_rank()
+            if lost is not None:
+                self.replace(*lost)
+
+    def ensure_alive(self) -> None:
+        self.check()
+
+    def replace(self, index: int, err: BaseException) -> None:
+        """Restart the whole critic group; the controller learns the new ranks' ids (a group that meets an old one
+        is handed back for re-sending, not taken for a reward worker's failure) and the rollout workers get the new
+        handles with their next `sync` reply."""
+        cfg, start = self.cfg, time.monotonic()
+        log.warning("critic worker %d of critic.num_workers=%d died (%s); restarting the critic group", index,
+                    cfg.critic.num_workers, type(err).__name__)
+        if self.replaced >= cfg.fault.max_replacements:
+            raise WorkerLost(
+                f"critic worker {index} of critic.num_workers={cfg.critic.num_workers} died ({type(err).__name__}) "
+                f"after {self.replaced} restarts of the critic group; fault.max_replacements="
+                f"{cfg.fault.max_replacements} allows no more. Raise it, or look at the worker's log (out of memory: "
+                "lower critic.micro_batch_size)") from err
+        try:
+            self.group.restart(index)
+        except TimeoutError as err:
+            raise WorkerLost(f"the critic group did not restart after rank {index} died: {err}") from err
+        self.replaced += 1
+        limit = cfg.fault.worker_start_timeout_s
+        ray.get(self.ctx.controller.set_critic_actor_ids.remote(self.group.actor_ids()), timeout=limit)
+        ray.get(self.ctx.controller.set_model_workers.remote("critic", self.group.workers), timeout=limit)
+        self.restart_seconds.append(time.monotonic() - start)
+
+    def resize(self, n: int) -> None:
+        raise ValueError(f"the critic group does not resize (critic.num_workers={self.cfg.critic.num_workers}): its "
+                         "ranks hold one data-parallel model and train together; set critic.num_workers and resume")
+
+    # --- training beside the policy -------------------------------------------------------------------------------
+    def start_update(self, batch):
+        """The critic's update on the batch's GAE returns (learner/prepare.py), while the policy's runs."""
+        return self.group.start_train(batch) if self.group is not None else None
+
+    def finish_update(self, started, policy_version: int, groups: list) -> dict[str, float]:
+        if started is None:
+            return {}
+        metrics = self.group.finish(started)
+        oldest = min(t.critic_version for g in groups for t in g.trajectories)
+        return {**metrics, "critic/staleness_max": float(policy_version - oldest)}
+
+    # --- checkpoints --------------------------------------------------------------------------------------------
+    def save_state(self, folder: Path) -> dict:
+        """PPO's value model and its optimizer resume with the policy: `critic_version` None without a critic."""
+        if self.group is None:
+            return {"critic_version": None}
+        (folder / "critic").mkdir()
+        return {"critic_version": self.group.save_state(str(folder / "critic"))}
+
+    def load_state(self, folder: Path, state: dict) -> None:
+        if self.group is None:
+            return
+        if state.get("critic_version") is None:
+            raise checkpoint.CheckpointError(f"--resume from {folder}: this run has a critic (critic.num_workers="
+                                             f"{self.cfg.critic.num_workers}) but the checkpoint holds none")
+        self.group.load_state(str(folder / "critic"))
+
+    def save_final(self, run_dir: Path) -> None:
+        if self.group is not None:
+            self.group.save(str(run_dir / "final_critic"))

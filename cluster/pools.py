@@ -1,0 +1,77 @@
+"""The run's roles, declared once: the trainer builds, starts and waits for a pool per role in this order, the
+supervisor checks them, and the rollout workers are given the live lists of every role that scores groups.
+
+A new role is a pool class (a `ScoringPool` subclass when its workers score groups on their way to the queue, as
+the reward and reference workers below) added to ROLES, plus its config section and its placement bundles
+(cluster/placement.py). A role whose config asks for no workers has an empty pool.
+"""
+
+from actors.reference_worker import ReferenceWorker
+from actors.reward_worker import RewardWorker
+from cluster.critic_pool import CriticPool
+from cluster.ray_setup import reference_options, reward_options
+from cluster.rollout_pool import RolloutPool
+from cluster.worker_pool import PoolContext, ScoringPool, WorkerPool
+from protocols.config import RunConfig
+from protocols.metrics import reference_worker_metrics, reward_worker_metrics
+
+
+class RewardPool(ScoringPool):
+    """Reward workers (actors/reward_worker.py): every group is scored by one."""
+
+    name = "reward"
+    actor = RewardWorker
+    rollout_arg = "reward_workers"
+    counter_metrics = staticmethod(reward_worker_metrics)
+    placement_options = staticmethod(reward_options)
+
+    @classmethod
+    def launch_size(cls, cfg: RunConfig) -> int:
+        return cfg.reward.num_workers
+
+    def actor_args(self, index: int) -> tuple:
+        return self.cfg.reward, index
+
+    def announce(self):
+        return self.ctx.controller.set_reward_workers.remote(list(self.workers))
+
+
+class ReferencePool(ScoringPool):
+    """reference.num_workers > 0: the frozen reference scores groups on their way to the queue (the learner ranks
+    then hold no copy of it); 0 keeps it inside the learner. A replacement loads it from the model folder again
+    (as at start: it never changes)."""
+
+    name = "reference"
+    actor = ReferenceWorker
+    rollout_arg = "reference_workers"
+    counter_metrics = staticmethod(reference_worker_metrics)
+    placement_options = staticmethod(reference_options)
+
+    @classmethod
+    def launch_size(cls, cfg: RunConfig) -> int:
+        return cfg.reference.num_workers
+
+    def actor_args(self, index: int) -> tuple:
+        return self.cfg, index, self.ctx.model_path
+
+    def announce(self):
+        return self.ctx.controller.set_model_workers.remote("reference", list(self.workers))
+
+
+ROLES: tuple[type[WorkerPool], ...] = (CriticPool, RewardPool, ReferencePool, RolloutPool)
+"""Start order. The critic's ranks go first (their group is joined right after the learner's started, while the
+engines start); the rollout pool last, since its workers are given the others' handles."""
+
+
+def check_roles(cfg: RunConfig, model_path: str) -> None:
+    """Every role's refusals of settings it cannot run, before any actor starts."""
+    for role in ROLES:
+        role.precheck(cfg, model_path)
+
+
+def start_pools(ctx: PoolContext) -> dict[str, WorkerPool]:
+    """A pool per role, each role's actors started (none waited for); also kept in `ctx.pools`."""
+    for role in ROLES:
+        pool = ctx.pools[role.name] = role(ctx)
+        pool.start()
+    return ctx.pools

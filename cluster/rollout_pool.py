@@ -1,0 +1,252 @@
+"""The rollout pool: the vLLM engines (actors/rollout_worker.py), their `run()` loops, their controller ids and
+their weights.
+
+A rollout worker's `run()` only returns when the run stops, so a run ref that finishes early is a dead worker: its
+leases are released through the controller (counted as dropped `rollout_worker_died`), and a replacement starts
+in the same placement bundle under a new controller id (cluster/worker_pool.py `WorkerIds`), loads the newest
+weights and takes work. With a transport that forms a group (weight_sync.type=collective) every engine and learner
+rank 0 open a new group instead, and a broadcast that a dead engine broke is sent again on it. `resize` adds
+engines the same way and drains leaving ones: they are granted nothing more, their groups in flight come back
+(within fault.worker_start_timeout_s; what is left is released as dropped `rollout_worker_drained`), then they stop.
+"""
+
+import logging
+import time
+
+import ray
+
+from actors.rollout_worker import RolloutWorker
+from cluster.ray_setup import rollout_options
+from cluster.worker_pool import WorkerIds, WorkerPool, resize_plan
+from protocols.config import RunConfig
+from protocols.weight_announcement import WeightAnnouncement
+from weights.backends import weight_backend
+from weights.transport import BroadcastFailed
+
+log = logging.getLogger(__name__)
+
+
+class RolloutPool(WorkerPool):
+    name = "rollout"
+    probe = "get_version"
+    placement_options = staticmethod(rollout_options)
+
+    @classmethod
+    def launch_size(cls, cfg: RunConfig) -> int:
+        return cfg.rollout.num_workers
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        self.ids = WorkerIds(self.size)
+        """The controller's worker id of each slot's current actor."""
+        self.run_refs: list | None = None
+        """Each slot's `run()` while generation runs (None for a slot being replaced); None while stopped."""
+        self.finished_reports: list[dict] = []
+        """Reports of `run()` calls that ended before the last one (paused for evaluation or a weight-group
+        rejoin)."""
+        self.resent_publishes = 0
+        """Collective broadcasts sent again after a dead engine broke them (publish_weights)."""
+        self._publishing: int | None = None
+        """The version whose broadcast broke, while its dead engine is replaced (the new group receives it)."""
+        self._resent: WeightAnnouncement | None = None
+        """The announcement of the last send on a rejoined group: a broken publish returns it."""
+
+    def build(self, index: int, worker_id: int):
+        """A rollout worker in slot `index`'s bundle under controller id `worker_id`, given the live lists of every
+        scoring pool (reward, reference, critic)."""
+        ctx = self.ctx
+        return ray.remote(RolloutWorker).options(**self.actor_options(index)).remote(
+            self.cfg, worker_id, ctx.model_path, ctx.controller, **ctx.scoring_lists())
+
+    def start(self) -> None:
+        self.workers.extend(self.build(i, self.ids.ids[i]) for i in range(self.size))
+
+    # --- runs -------------------------------------------------------------------------------------------------------
+    def start_runs(self) -> None:
+        """Every rollout worker starts generating (the controller must not be stopped)."""
+        self.run_refs = [w.run.remote() for w in self.workers]
+
+    def stop_runs(self) -> list[dict]:
+        """Stop generation and collect each worker's report, within fault.worker_start_timeout_s. A worker found
+        dead here is released and replaced (not restarted): evaluation needs its engine."""
+        ray.get(self.ctx.controller.stop.remote(), timeout=self.cfg.fault.worker_start_timeout_s)
+        refs, self.run_refs = self.run_refs or [], None
+        limit = self.cfg.fault.worker_start_timeout_s
+        live = [ref for ref in refs if ref is not None]
+        ready, pending = ray.wait(live, num_returns=len(live), timeout=limit)
+        if pending:
+            raise TimeoutError(
+                f"{len(pending)} rollout worker(s) did not stop within fault.worker_start_timeout_s={limit}; raise it "
+                "if a weight load or a reward call at stop can take that long")
+        reports = []
+        for index, ref in enumerate(refs):
+            if ref is None:  # a slot being replaced (collective weight group rejoin)
+                continue
+            try:
+                reports.append(ray.get(ref))
+            except ray.exceptions.RayActorError as err:
+                self.replace(index, err)
+        self.finished_reports.extend(reports)
+        return reports
+
+    # --- health -----------------------------------------------------------------------------------------------------
+    def check(self) -> None:
+        """A run ref that finished while generation runs is a dead worker (zero-timeout wait): replace it."""
+        if self.run_refs is None:
+            return
+        live = [ref for ref in self.run_refs if ref is not None]
+        ready, _ = ray.wait(live, num_returns=len(live), timeout=0) if live else ([], [])
+        for ref in ready:
+            if self.run_refs is None or ref not in self.run_refs:
+                # a replacement before it (weight_sync.type=collective) stopped every run, which replaced this dead
+                # worker too (stop_runs), and started new runs
+                continue
+            index = self.run_refs.index(ref)
+            try:
+                report = ray.get(ref)
+            except ray.exceptions.RayActorError as err:
+                self.replace(index, err)
+                continue
+            # run() returns only at stop; the driver had not stopped it, so the loop must have been told to
+            raise RuntimeError(f"rollout worker {index} left its loop before the run stopped: {report}")
+
+    def replace(self, index: int, err: BaseException) -> None:
+        cfg, start = self.cfg, time.monotonic()
+        old_id = self.ids.ids[index]
+        released = ray.get(self.ctx.controller.release_worker.remote(old_id, "rollout_worker_died"),
+                           timeout=cfg.fault.worker_start_timeout_s)
+        log.warning("rollout worker %d (id %d) died (%s); %d leased groups released; starting a replacement",
+                    index, old_id, type(err).__name__, len(released))
+        self._allow(index, err)
+        worker = self.build(index, self.ids.renew(index))
+        self._started(index, worker.get_version.remote())
+        self.workers[index] = worker
+        self.replaced += 1
+        self._take_weights([index])
+        self.restart_seconds.append(time.monotonic() - start)
+
+    # --- weights ----------------------------------------------------------------------------------------------------
+    def _take_weights(self, slots: list[int]) -> None:
+        """New engines in `slots` (started, idle) load the newest weights and, while generation runs, start their
+        runs; with a group-forming transport every engine rejoins the weight group instead."""
+        if weight_backend(self.cfg).forms_group:
+            self._rejoin_weight_group(slots)
+            return
+        latest = ray.get(self.ctx.controller.latest_weights.remote(0), timeout=self.cfg.fault.worker_start_timeout_s)
+        if latest is not None:
+            loads = {slot: self.workers[slot].load_weights.remote(latest) for slot in slots}
+            for slot, ref in loads.items():
+                self._started(slot, ref)
+        if self.run_refs is not None:
+            for slot in slots:
+                self.run_refs[slot] = self.workers[slot].run.remote()
+
+    def _rejoin_weight_group(self, slots: list[int]) -> None:
+        """A transport that forms a group (`collective`) has a fixed membership, so every engine and learner rank 0
+        open a new one (after a replacement, a new engine, or one that left; `slots`: the new engines). Running
+        workers take no calls, so generation pauses meanwhile. The learner then sends its weights on the new
+        group, labelled with the version they are: the last announced one, or, when a broken broadcast brought us
+        here, the version that broadcast carried (the learner has already stepped past the announced one; sending
+        its weights under the older label would stamp the new engine's tokens wrongly)."""
+        running = self.run_refs is not None
+        if running:
+            for slot in slots:
+                self.run_refs[slot] = None
+            self.stop_runs()
+        self.ctx.learner.join_weight_group(self.workers)
+        version = self._publishing
+        if version is None:
+            latest = ray.get(self.ctx.controller.latest_weights.remote(0),
+                             timeout=self.cfg.fault.worker_start_timeout_s)
+            version = latest.version if latest is not None else None
+        if version is not None:
+            self._resent = self.ctx.learner.publish_weights(version)
+            for slot in slots:
+                self._started(slot, self.workers[slot].load_weights.remote(self._resent))
+        if running:
+            ray.get(self.ctx.controller.resume.remote(), timeout=self.cfg.fault.worker_start_timeout_s)
+            self.start_runs()
+
+    def publish_weights(self, version: int) -> WeightAnnouncement:
+        """The learner's publish of `version` (LearnerGroup.publish_weights). With a transport that forms a group
+        (weight_sync.type=collective), a rollout engine that died since the last health check breaks the broadcast
+        (its connections close) before the driver could notice; the dead worker is then replaced, which opens a
+        new group with every live engine, and `version` goes out again on it (the learner already holds `version`'s
+        weights, so that is what the new group receives, under that label). Raises the broadcast's error when no
+        worker is found dead within weight_sync.timeout_s (a live engine that stopped receiving)."""
+        try:
+            return self.ctx.learner.publish_weights(version)
+        except BroadcastFailed as err:
+            self._publishing = version
+            try:
+                if not self._replace_dead_engines():
+                    raise
+            finally:
+                self._publishing = None
+            log.warning("weight broadcast of version %d failed (%s); resent after replacing the dead rollout worker",
+                        version, err)
+        self.resent_publishes += 1
+        return self._resent
+
+    def _replace_dead_engines(self) -> bool:
+        """Replace the rollout workers that died (each replacement rejoins the weight group); True if any did."""
+        before = self.replaced
+        live = [ref for ref in self.run_refs or [] if ref is not None]
+        if live:
+            # A dead worker's run() ends with its actor; Ray may take a moment to say so after the socket closed.
+            ray.wait(live, num_returns=1, timeout=self.cfg.weight_sync.timeout_s)
+            self.check()
+        else:
+            self.ensure_alive()
+        return self.replaced > before
+
+    # --- resize -----------------------------------------------------------------------------------------------------
+    def resize(self, n: int, drain_timeout_s: float | None = None) -> None:
+        """Grow to `n` engines (new controller ids; each loads the newest weights and, while generation runs,
+        starts its run, as a replacement does) or shrink by draining the last ones (see `_drain`, which waits at
+        most `drain_timeout_s`, default fault.worker_start_timeout_s). The controller's worker count follows (the
+        fair share at max_staleness 0). Called by the driver between steps."""
+        if n < 1:
+            raise ValueError(f"rollout pool resize to {n}: a running job keeps at least one rollout worker")
+        first = len(self.workers)
+        plan = resize_plan(first, n, self.bundles)
+        for slot in plan.start:
+            self.workers.append(self.build(slot, self.ids.add()))
+            if self.run_refs is not None:
+                self.run_refs.append(None)
+        if plan.start:
+            self._wait_serving(plan.start, "the new")
+            self._tell_controller(self.ctx.controller.set_num_workers.remote(n))
+            self._take_weights(plan.start)
+        if plan.leave:
+            self._drain(len(plan.leave), drain_timeout_s)
+            self._tell_controller(self.ctx.controller.set_num_workers.remote(n))
+        log.warning("rollout pool resized from %d to %d workers (ids %s; %s with plain resources, past the "
+                    "placement's bundles)", first, n, self.ids.ids,
+                    sorted(set(plan.start) - set(plan.in_bundles)) or "none")
+
+    def _drain(self, count: int, timeout_s: float | None) -> None:
+        """The last `count` workers leave: the controller grants them nothing more (their ids are retired), their
+        groups in flight finish and come back as usual for up to `timeout_s`; the groups still out then are
+        released (dropped `rollout_worker_drained`, their admission budget freed) and the actors stop. Their
+        counters stay in the controller's worker stats, not in summary.json's reports."""
+        controller, limit = self.ctx.controller, self.cfg.fault.worker_start_timeout_s
+        leaving = []
+        for _ in range(count):
+            leaving.append((self.workers.pop(), self.ids.remove()))
+            if self.run_refs is not None:
+                self.run_refs.pop()
+        ids = [worker_id for _, worker_id in leaving]
+        ray.get([controller.retire_worker.remote(i) for i in ids], timeout=limit)
+        deadline = time.monotonic() + (limit if timeout_s is None else timeout_s)
+        while (any(ray.get([controller.leases_of.remote(i) for i in ids], timeout=limit))
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+        released = ray.get([controller.release_worker.remote(i, "rollout_worker_drained") for i in ids],
+                           timeout=limit)
+        for worker, _ in leaving:
+            ray.kill(worker)
+        log.warning("rollout workers %s drained; %d groups still in flight released", ids,
+                    sum(len(r) for r in released))
+        if weight_backend(self.cfg).forms_group:  # the group's membership loses the leaving engines
+            self._rejoin_weight_group([])

@@ -1,0 +1,124 @@
+"""Preparing a step's batch: the one place between the replay queue and the learner ranks where the algorithm
+turns scored samples into what the loss reads. Pure: a function of the batch and the config, no Ray.
+
+    TrainingBatch (rewards, behavior / ref log-probs, values stamped in the stream)
+    -> reward shaping (drops samples from the loss) -> KL in the reward -> GAE returns for a critic
+    -> advantages -> the loss normalizer
+
+The driver (cluster/trainer.py) only waits for a batch, asks the learner for reference log-probs when
+`learner_scores_ref` says the ranks hold the reference, calls `prepare_batch`, trains and publishes.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from learner.aggregation import LossNormalizer, count_normalizer
+from learner.objective import (
+    apply_reward_shaping,
+    compute_advantages,
+    gae_targets,
+    kl_for_reward,
+    kl_in_reward,
+    needs_ref_logprobs,
+)
+from protocols.config import RunConfig
+from protocols.training_batch import TrainingBatch
+
+
+@dataclass(frozen=True)
+class PreparedBatch:
+    """A batch ready for the learner ranks (and the critic's, when it has `returns`)."""
+
+    batch: TrainingBatch
+    """The samples with `advantages` set, `loss_mask` narrowed by the shaping's sample mask, and `ref_logprobs`
+    and `returns` where the algorithm reads them."""
+    shaped_rewards: Tensor
+    """(B,) float32: the verifier's rewards after the algorithm's shaping (overlong penalty), before any KL."""
+    normalizer: LossNormalizer
+    """The global token and sequence counts every rank's loss divides by."""
+
+
+def streams_ref(cfg: RunConfig) -> bool:
+    """True when reference workers score every group on its way to the queue (reference.num_workers > 0)."""
+    return cfg.reference.num_workers > 0
+
+
+def learner_scores_ref(cfg: RunConfig) -> bool:
+    """True when the driver must ask the learner ranks for the batch's reference log-probs before preparing it:
+    the ranks hold the reference (reference.num_workers = 0), a KL term is on, and the log-probs are read outside
+    a single update (the KL in the reward, or several updates of the batch: scored once, read by each). With the
+    KL in the loss and one update, the ranks score the reference inside the update instead."""
+    if streams_ref(cfg) or not needs_ref_logprobs(cfg.algorithm):
+        return False
+    return (kl_in_reward(cfg.algorithm) or cfg.learner.ppo_epochs > 1 or cfg.learner.mini_batches_per_step > 1)
+
+
+def check_ref_logprobs(batch: TrainingBatch, cfg: RunConfig, group_ids: list[str]) -> None:
+    """Raise naming the groups when reference workers should have stamped `ref_logprobs` and the batch has none:
+    the controller queues a group only once every scoring stage has run, so a missing stamp is a bug, never
+    something to fill in silently. `group_ids`: the batch's samples' groups, in order."""
+    if streams_ref(cfg) and batch.ref_logprobs is None:
+        raise RuntimeError(
+            f"reference.num_workers={cfg.reference.num_workers} but the batch reached the learner without "
+            f"ref_logprobs (groups {sorted(set(group_ids))[:5]}); every group should pass a reference worker on its "
+            "way to the queue")
+
+
+def reward_kl(batch: TrainingBatch, cfg: RunConfig) -> Tensor | None:
+    """(B, T) per-token KL to place in the reward, or None when the KL is not in the reward: the estimator
+    `algorithm.kl.estimator` of KL(mu || ref) on the loss tokens, from the behavior log-probs mu in every
+    off-policy mode (learner/objective.py kl_for_reward says why not the proximal ones)."""
+    if not kl_in_reward(cfg.algorithm):
+        return None
+    if batch.ref_logprobs is None:
+        raise ValueError("algorithm.kl.placement=reward needs the batch's ref_logprobs (streamed by reference workers, "
+                         "or scored by the learner group: see learner_scores_ref)")
+    return kl_for_reward(batch.behavior_logprobs, batch.ref_logprobs, batch.loss_mask, cfg.algorithm)
+
+
+def critic_returns(batch: TrainingBatch, rewards: Tensor, cfg: RunConfig, kl: Tensor | None) -> Tensor:
+    """(B, T) GAE returns over the loss tokens from the values the critic stamped in the stream: the critic's
+    regression targets (the values themselves are the clipped value loss's old values and GAE's baseline).
+    Raises when the batch has no values (every group must pass through a critic worker)."""
+    if batch.values is None:
+        raise RuntimeError(
+            f"critic.num_workers={cfg.critic.num_workers} but a batch reached the learner without critic values: "
+            "every scored group must pass through a critic worker on its way to the queue")
+    _, returns = gae_targets(rewards, batch.loss_mask, cfg.algorithm, kl=kl, values=batch.values)
+    return returns
+
+
+def prepare_batch(batch: TrainingBatch, cfg: RunConfig) -> PreparedBatch:
+    """The batch the learner trains on: shaping, the KL in the reward, the critic's returns, advantages and the
+    loss normalizer, each computed once over the whole global batch (group baselines span ranks). `batch` must
+    already carry what the stream stamped (values with a critic, ref_logprobs with reference workers) and, when
+    `learner_scores_ref(cfg)`, the learner's reference log-probs."""
+    rewards, sample_mask = apply_reward_shaping(batch.rewards, batch.response_lengths, batch.truncated,
+                                                cfg.algorithm, cfg.rollout.max_response_tokens)
+    batch = batch.with_sample_mask(sample_mask)
+    kl = reward_kl(batch, cfg)
+    if cfg.critic.enabled:
+        batch = batch.with_fields(returns=critic_returns(batch, rewards, cfg, kl))
+    advantages = compute_advantages(rewards, batch.loss_mask, cfg.rollout.samples_per_prompt, cfg.algorithm,
+                                    kl=kl, values=batch.values)
+    batch = batch.with_fields(advantages=advantages)
+    return PreparedBatch(batch=batch, shaped_rewards=rewards,
+                         normalizer=count_normalizer(batch.loss_mask, cfg.rollout.max_response_tokens))
+
+
+def staleness_metrics(batch: TrainingBatch, version: int) -> dict[str, float]:
+    """staleness/*: how many versions behind `version` each sample's oldest sampled token is (tool tokens carry
+    no version), as mean, max, a histogram, and the share of samples whose tokens span several versions."""
+    sampled = batch.token_versions >= 0
+    big = torch.iinfo(torch.long).max
+    oldest = torch.where(sampled, batch.token_versions, big).min(dim=1).values
+    newest = torch.where(sampled, batch.token_versions, -1).max(dim=1).values
+    oldest = torch.where(oldest == big, -1, oldest)
+    lags = (version - oldest).tolist()
+    out = {"staleness/mean": sum(lags) / len(lags), "staleness/max": float(max(lags))}
+    for lag in sorted(set(lags)):
+        out[f"staleness/hist_{lag}"] = lags.count(lag) / len(lags)
+    out["staleness/mixed_version_frac"] = float((oldest != newest).float().mean())
+    return out

@@ -1,0 +1,146 @@
+"""Worker pools' bookkeeping without Ray: controller ids of replaced and added rollout slots, resize plans, the
+replacement limit, the supervisor's loop over pools, and the controller's side of draining a leaving worker."""
+
+import pytest
+
+from actors.controller import SyncRequest
+from cluster.pools import ROLES
+from cluster.supervisor import Supervisor
+from cluster.worker_pool import PoolContext, WorkerIds, WorkerLost, check_replacement_allowed, resize_plan
+from protocols.config import load_config
+from tests.test_control_plane import controller
+from tests.test_replay_queue import make_group
+
+
+def test_a_fixed_pools_replacements_take_slot_plus_k_times_num_workers():
+    ids = WorkerIds(2)
+    assert ids.ids == [0, 1]
+    # slot 0 replaced twice: 0 + 2 = 2, then 2 + 2 = 4; slot 1 once: 1 + 2 = 3
+    assert [ids.renew(0), ids.renew(0), ids.renew(1)] == [2, 4, 3]
+    assert ids.ids == [4, 3]
+
+
+def test_added_slots_never_take_an_id_used_before():
+    ids = WorkerIds(2)
+    assert ids.add() == 2  # slot 2: id 2 is free (slot 0 was never replaced)
+    assert ids.renew(0) == 4  # slot 0's next would be 2, taken by slot 2: 2 + 2 = 4
+    assert ids.remove() == 2 and ids.ids == [4, 1]  # slot 2 leaves; its id stays retired
+    assert ids.add() == 6  # slot 2 again: 2 and 4 used, so 6
+    assert ids.renew(1) == 3 and len(ids.used) == 6  # ids 0, 1, 2, 3, 4, 6
+
+
+def test_resize_plan_starts_at_the_end_in_bundles_first_and_drains_from_the_end():
+    # 2 -> 4 with 3 bundles reserved at launch: slots 2 and 3 start, slot 2 in the last bundle, slot 3 outside
+    grow = resize_plan(2, 4, bundles=3)
+    assert (grow.start, grow.in_bundles, grow.leave) == ([2, 3], [2], [])
+    # 3 -> 1: slots 2 then 1 leave
+    shrink = resize_plan(3, 1, bundles=3)
+    assert (shrink.start, shrink.in_bundles, shrink.leave) == ([], [], [2, 1])
+    same = resize_plan(2, 2, bundles=2)
+    assert (same.start, same.leave) == ([], [])
+
+
+def test_the_replacement_limit_names_the_role_the_count_and_the_setting():
+    check_replacement_allowed("reward", 1, replaced=2, max_replacements=3, err=RuntimeError())  # the 3rd: allowed
+    with pytest.raises(WorkerLost, match=r"^reward worker 1 died \(RuntimeError\) after 3 replacements of reward "
+                                         r"workers; fault.max_replacements=3 allows no more"):
+        check_replacement_allowed("reward", 1, replaced=3, max_replacements=3, err=RuntimeError())
+
+
+def test_every_role_has_a_pool_sized_by_its_config_and_the_rollout_pool_starts_last():
+    cfg = load_config(None, ["algorithm.preset=grpo", "reference.num_workers=2", "reward.num_workers=3",
+                             "rollout.num_workers=4"])
+    assert [role.name for role in ROLES] == ["critic", "reward", "reference", "rollout"]
+    assert {role.name: role.launch_size(cfg) for role in ROLES} == {"critic": 0, "reward": 3, "reference": 2,
+                                                                   "rollout": 4}
+
+
+class StandInPool:
+    """A pool's face to the supervisor and the rollout workers, without actors."""
+
+    def __init__(self, name: str, handles: list, replaced: int = 0, rollout_arg: str | None = None,
+                 calls: list | None = None) -> None:
+        self.name, self._handles, self.replaced, self.rollout_arg = name, handles, replaced, rollout_arg
+        self.restart_seconds = [1.5] * replaced
+        self.calls = calls if calls is not None else []
+        self.resent_publishes = 0
+
+    def handles(self) -> list:
+        return list(self._handles)
+
+    def check(self) -> None:
+        self.calls.append(self.name)
+
+
+def test_the_supervisor_loops_over_pools_in_order_and_counts_by_role():
+    calls: list[str] = []
+    pools = {"critic": StandInPool("critic", [], calls=calls),
+             "reward": StandInPool("reward", ["r0", "r1"], replaced=2, rollout_arg="reward_workers", calls=calls),
+             "rollout": StandInPool("rollout", ["w0"], replaced=1, calls=calls)}
+    sup = Supervisor(load_config(None, []), controller=None, pools=pools)
+    sup.check()
+    assert calls == ["critic", "reward", "rollout"]
+    assert sup.replaced_counts() == {"critic": 0, "reward": 2, "rollout": 1}
+    assert sup.replaced["reward"] == 2 and sup.replaced["teacher"] == 0  # a role that is not there counts 0
+    assert sup.metrics() == {"fault/replaced_critic": 0.0, "fault/replaced_reward": 2.0,
+                             "fault/replaced_rollout": 1.0, "fault/resent_publishes": 0.0}
+    assert sup.restart_seconds == [1.5, 1.5, 1.5] and sup.workers("reward") == ["r0", "r1"]
+    # what a new rollout worker is given: every pool that scores groups, by its RolloutWorker keyword
+    ctx = PoolContext(load_config(None, []), controller=None, placement=None, model_path="unused", pools=pools)
+    assert ctx.scoring_lists() == {"reward_workers": ["r0", "r1"]}
+
+
+def test_a_retired_worker_gets_no_new_groups_and_its_groups_still_come_back():
+    c = controller(max_staleness=1)  # budget (0 + 1 + 1) * 2 = 4
+    assert [g for g, _ in c.sync(SyncRequest(worker_id=0, version=0, want=3)).granted] == ["g0", "g1", "g2"]
+    assert c.retire_worker(0) == ["g0", "g1", "g2"]
+    assert c.sync(SyncRequest(worker_id=0, version=0, want=1)).granted == []  # leaving: nothing new
+    # g0 finishes and is queued as usual; the other 2 are released when the drain ends
+    c.sync(SyncRequest(worker_id=0, version=0, scored=[("g0", make_group("g0", [1, 0], 0))]))
+    assert c.release_worker(0, "rollout_worker_drained") == ["g1", "g2"]
+    s = c.stats()
+    assert s["queue/depth"] == 1 and s["queue/dropped_rollout_worker_drained"] == 2 and s["queue/leased"] == 0
+    assert s["queue/admitted"] == s["queue/depth"] + s["queue/dropped_rollout_worker_drained"]  # 3 = 1 + 2
+    # their budget is free again for the workers that stay: 4 - (3 admitted - 2 dropped) = 3
+    assert [g for g, _ in c.sync(SyncRequest(worker_id=1, version=0, want=4)).granted] == ["g3", "g4", "g5"]
+
+
+def test_the_fair_share_follows_the_pools_size():
+    c = controller(max_staleness=0, prompts_per_step=4, num_workers=2)
+    assert c.fair_share == 2  # ceil(4 / 2)
+    c.set_num_workers(3)
+    assert c.fair_share == 2  # ceil(4 / 3)
+    c.set_num_workers(1)
+    assert c.fair_share == 4
+
+
+class StandInCriticGroup:
+    def __init__(self) -> None:
+        self.loaded: list[str] = []
+
+    def save_state(self, folder: str) -> int:
+        return 7
+
+    def load_state(self, folder: str) -> int:
+        self.loaded.append(folder)
+        return 7
+
+
+def test_the_critic_pool_checkpoints_its_group_and_refuses_a_checkpoint_without_one(tmp_path):
+    from cluster.checkpoint import CheckpointError
+    from cluster.critic_pool import CriticPool
+
+    off = CriticPool(PoolContext(load_config(None, []), controller=None, placement=None, model_path="unused"))
+    assert off.save_state(tmp_path) == {"critic_version": None} and off.handles() == []  # no critic: nothing kept
+    off.load_state(tmp_path, {})
+    cfg = load_config(None, ["algorithm.preset=ppo", "critic.num_workers=2"])
+    pool = CriticPool(PoolContext(cfg, controller=None, placement=None, model_path="unused"))
+    pool.group = StandInCriticGroup()
+    assert pool.save_state(tmp_path) == {"critic_version": 7} and (tmp_path / "critic").is_dir()
+    pool.load_state(tmp_path, {"critic_version": 7})
+    assert pool.group.loaded == [str(tmp_path / "critic")]
+    with pytest.raises(CheckpointError, match=r"this run has a critic \(critic.num_workers=2\) but the checkpoint "
+                                              r"holds none"):
+        pool.load_state(tmp_path, {"critic_version": None})
+    with pytest.raises(ValueError, match="the critic group does not resize"):
+        pool.resize(3)
