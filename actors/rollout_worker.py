@@ -60,9 +60,9 @@ class RolloutWorker:
         self.cfg = cfg
         self.worker_id = worker_id
         self.controller = controller
-        self.version = 0
-        """The policy version of the weights loaded in this engine (the driver owns the policy version; this is
-        what the engine holds, and what its tokens are stamped with)."""
+        self.policy = WorkerPolicy(PolicySettings.from_run(cfg), worker_id)
+        """The control loop's state (actors/worker_policy.py), and the one owner of the version of the weights in
+        this engine (`version`); a new one per `run()` carries that version over (`next_run`)."""
         max_len = cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens
         self.on_gpu = cfg.cluster.use_gpus
         extra = tensor_parallel_engine_args(cfg.rollout.tensor_parallel_size, self.on_gpu)
@@ -111,7 +111,6 @@ class RolloutWorker:
         """The groups in the engine; with tools, a sample continues after each tool call (`self.agent`)."""
         self.router = ScoreRouter(reward_workers or [], reference_workers or [], critic_workers or [],
                                   cfg.fault.max_rescore_attempts, cfg.fault.batch_timeout_s)
-        self.versions_seen: list[int] = [0]
         self.sync_seconds = 0.0
         self.receiver = weight_backend(cfg).receiver(cfg)
         """The configured transport's receiver (weights/backends.py); a group-forming one is joined later."""
@@ -133,9 +132,8 @@ class RolloutWorker:
         start = time.perf_counter()
         version = self.receiver.load(announcement, lambda weights: load_checkpoint_weights(self.llm, [
             (name, tensor) for name, tensor in weights if name != self.skip_on_load]))
-        self.version = version
+        self.policy.loaded(version)
         self._probe_weights(version)
-        self.versions_seen.append(version)
         seconds = time.perf_counter() - start
         self.sync_seconds += seconds
         return seconds
@@ -201,7 +199,7 @@ class RolloutWorker:
         """Generate until the controller says stop. Returns this worker's counters. The decisions (when to call
         the controller, what to ask, when to load weights) are `WorkerPolicy`'s; this loop carries them out."""
         cfg = self.cfg
-        self.policy = WorkerPolicy(PolicySettings.from_run(cfg), self.worker_id, self.version)
+        self.policy = self.policy.next_run()
         self._watch = None
         self._last_sync = time.monotonic()
         stats = {"generate_s": 0.0, "idle_s": 0.0, "tokens": 0, "groups": 0, "steps": 0}
@@ -221,9 +219,7 @@ class RolloutWorker:
                 break
             newer = policy.weights_to_load(len(decoding.active))
             if newer:
-                self.load_weights(newer)
-                # the collective backend may have handed over a newer version than the one announced
-                policy.loaded(self.version)
+                self.load_weights(newer)  # the policy learns the version loaded (maybe newer than announced)
                 continue  # ask for work at the new version before the next step
             if decoding.has_unfinished():
                 t0 = time.perf_counter()
@@ -256,7 +252,7 @@ class RolloutWorker:
     def _report(self, stats: dict, start: float) -> dict:
         wall = time.perf_counter() - start
         return {**stats, "wall_s": wall, "sync_s": self.sync_seconds, "version": self.version,
-                "versions_seen": list(self.versions_seen), **self.router.counts,
+                "versions_seen": list(self.policy.versions_seen), **self.router.counts,
                 "weight_probes": self.weight_probes(),
                 **({"tools": self.agent.report()} if self.agent is not None else {})}
 
@@ -289,6 +285,12 @@ class RolloutWorker:
     def sequence_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
         """log p(response token) under the engine's current weights, for checking that a weight sync is exact."""
         return eval_generation.sequence_logprobs(self.llm, prompt_ids, response_ids)
+
+    @property
+    def version(self) -> int:
+        """The policy version of the weights loaded in this engine: what its tokens are stamped with (the driver
+        owns the policy version itself)."""
+        return self.policy.loaded_version
 
     def get_version(self) -> int:
         return self.version

@@ -139,6 +139,12 @@ class WorkerPolicy:
             return None
         return self.newer if self.settings.partial_rollouts or in_flight == 0 else None
 
+    def next_run(self) -> "WorkerPolicy":
+        """A fresh control state for the worker's next `run()`, holding the weights this one holds."""
+        fresh = WorkerPolicy(self.settings, self.worker_id, self.loaded_version)
+        fresh.versions_seen = self.versions_seen
+        return fresh
+
     def loaded(self, version: int) -> None:
         self.loaded_version = version
         self.versions_seen.append(version)

@@ -131,6 +131,7 @@ class Trainer:
         check_ref_logprobs(batch, cfg, [t.group_id for t in trajectories])
         if learner_scores_ref(cfg):  # scored once per step: the KL in the reward and every update read these
             batch = batch.with_fields(ref_logprobs=self.learner.ref_logprobs(batch))
+        staleness = staleness_metrics(batch, self.version)  # before the shaping narrows the loss mask
         prepared = prepare_batch(batch, cfg)
         batch, rewards, normalizer = prepared.batch, prepared.shaped_rewards, prepared.normalizer
         t0 = time.perf_counter()
@@ -159,7 +160,7 @@ class Trainer:
             **{f"reward/error_{kind}": count for kind, count in errors.items()},
             **finalize_metrics(summed),
             **pool_metrics,
-            **staleness_metrics(batch, self.version - 1),
+            **staleness,
             **(tool_metrics(tools) if tools else {}),
             "reward/mean": float(batch.rewards.mean()),
             "reward/shaped_mean": float(rewards.mean()),

@@ -109,9 +109,10 @@ def prepare_batch(batch: TrainingBatch, cfg: RunConfig) -> PreparedBatch:
 
 
 def staleness_metrics(batch: TrainingBatch, version: int) -> dict[str, float]:
-    """staleness/*: how many versions behind `version` each sample's oldest sampled token is (tool tokens carry
-    no version), as mean, max, a histogram, and the share of samples whose tokens span several versions."""
-    sampled = batch.token_versions >= 0
+    """staleness/*: how many versions behind `version` each sample's oldest sampled token is, as mean, max, a
+    histogram, and the share of samples whose tokens span several versions. `batch`: as collated from the
+    trajectories, before `prepare_batch` (its loss_mask is then exactly the engine's sampled tokens)."""
+    sampled = batch.loss_mask
     big = torch.iinfo(torch.long).max
     oldest = torch.where(sampled, batch.token_versions, big).min(dim=1).values
     newest = torch.where(sampled, batch.token_versions, -1).max(dim=1).values

@@ -188,15 +188,18 @@ class Trajectory(BaseModel):
         """Model turns: one more than the tool calls."""
         return 1 + len(self.tool_calls or [])
 
+    def _sampled_versions(self) -> list[int]:
+        # the tool segments (tool_calls) say which tokens the engine sampled; the -1 on tool tokens is only a fill
+        return [v for v, model in zip(self.token_versions, self.loss_mask) if model]
+
     @property
     def min_version(self) -> int:
         """Oldest policy version that produced a token (tool tokens have none): staleness is measured from it."""
-        sampled = [v for v in self.token_versions if v >= 0]
-        return min(sampled) if sampled else -1
+        return min(self._sampled_versions(), default=-1)
 
     @property
     def max_version(self) -> int:
-        return max(self.token_versions) if self.token_versions else -1
+        return max(self._sampled_versions(), default=-1)
 
 
 class TrajectoryGroup(BaseModel):

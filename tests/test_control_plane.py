@@ -66,6 +66,15 @@ def test_policy_loads_at_once_with_partial_rollouts_else_after_draining():
     assert partial.weights_to_load(in_flight=2) == WeightAnnouncement(version=1)
 
 
+def test_the_next_runs_policy_holds_the_loaded_weights_and_nothing_else_of_the_last_run():
+    # the worker's engine version has one owner: each run's policy hands it to the next one
+    p = WorkerPolicy(PolicySettings(prompts_in_flight=4), 0)
+    p.loaded(2)
+    p.on_watch(WatchReply(stop=True, weights=WeightAnnouncement(version=3)))
+    fresh = p.next_run()
+    assert (fresh.loaded_version, fresh.versions_seen, fresh.stopped, fresh.newer) == (2, [0, 2], False, None)
+
+
 def test_stopped_policy_makes_one_final_call_with_the_aborted_groups():
     p = WorkerPolicy(PolicySettings(prompts_in_flight=4), 0)
     p.on_scored("g0", "ref", now=0.0)
