@@ -12,6 +12,13 @@ def raising_verifier(prompt: Prompt, response: str) -> float:
     raise RuntimeError("verifier bug")
 
 
+def hanging_verifier(prompt: Prompt, response: str) -> float:
+    import time
+
+    time.sleep(60)
+    return 1.0
+
+
 def _prompt(i: int, answer: str = "", verifier: str = "", tests: list | None = None) -> Prompt:
     return Prompt(prompt_id=f"eval/{i}", prompt_token_ids=[0], answer=answer, verifier=verifier, tests=tests or [])
 
@@ -24,8 +31,11 @@ ECHO = [{"input": "4\n", "output": "8\n"}]
 CASES = [
     # (prompt, response, counts as correct, error kind)
     (_prompt(0, r"\frac{1}{2}"), r"\boxed{0.5}", True, ""),
-    # the answer that hung the driver's in-process verifier: stopped at reward.timeout_s, wrong
-    (_prompt(1, "3"), r"\boxed{10^{10^{10}}}", False, "timeout"),
+    # a verifier that hangs: stopped at reward.timeout_s, wrong
+    (_prompt(1, "3", verifier="tests.test_eval_scoring:hanging_verifier"), "3", False, "timeout"),
+    # the answer that once hung the driver's in-process verifier is refused at once by the math verifier's size
+    # bound (rewards/math_answer.py MAX_ANSWER_DIGITS): wrong, no error
+    (_prompt(7, "3"), r"\boxed{10^{10^{10}}}", False, ""),
     # a per-prompt verifier wins over reward.verifier (math would find no \boxed here)
     (_prompt(2, "5", verifier="gsm8k"), "#### 5", True, ""),
     # the run's reward.gsm8k.mode=strict: no "####", no answer (the driver's default, flexible, would take 5)
@@ -54,7 +64,7 @@ def test_held_out_scoring_uses_the_run_settings_and_survives_failing_verifiers(r
         prompts = [c[0] for c in CASES]
         correct, errors = score_on_workers(workers, prompts, [c[1] for c in CASES], CFG)
         assert correct == [c[2] for c in CASES]
-        # one timeout (the tower of powers) and one exception (the raising verifier)
+        # one timeout (the hanging verifier) and one exception (the raising verifier)
         assert dict(errors) == {"timeout": 1, "exception": 1}
         # evaluation samples are not training data: the workers' reward_worker/* counters stay empty
         for metrics in ray.get([w.metrics.remote() for w in workers]):
