@@ -23,6 +23,7 @@ from cluster.placement import create_placement, precheck_embedded
 from cluster.plots import plot_after_run
 from cluster.pools import check_roles, start_pools
 from cluster.ray_setup import start_ray
+from cluster.autoscaler import Autoscaler, StepSignals
 from cluster.run_folder import RunFolder
 from cluster.scale_requests import ScaleInbox
 from cluster.shared_folder import check_run_folder_shared
@@ -109,6 +110,7 @@ class Trainer:
         self.learner.join_weight_group(self.rollout_workers)  # nothing to join unless the transport forms a group
         # worker failure: health checks, replacements and bounded waits, pool by pool
         self.supervisor = Supervisor(cfg, self.controller, self.pools)
+        self.autoscaler = Autoscaler(cfg.rollout.autoscale) if cfg.rollout.autoscale.enabled else None
         self.version = 0
         self.trained_group_ids: list[str] = []
         self.accuracy_before: float | None = None
@@ -200,6 +202,8 @@ class Trainer:
                            "publish_s": metrics["time/publish_s"], "step_s": metrics["time/step_s"]})
             if cfg.train.eval_every and self.version % cfg.train.eval_every == 0 and self.version < cfg.train.steps:
                 metrics["eval/accuracy"] = self._evaluate_midway(report=metrics)
+            if self.autoscaler is not None:
+                metrics.update(self._autoscale(metrics))
             if cfg.train.save_every and self.version % cfg.train.save_every == 0:
                 self.save_checkpoint(folder.path)
             if self.version % cfg.train.log_every == 0:
@@ -271,6 +275,25 @@ class Trainer:
         start = time.perf_counter()
         self.pools["rollout"].resize(rollout_workers, self.cfg.rollout.drain_timeout_s)
         return time.perf_counter() - start
+
+    def _autoscale(self, metrics: dict) -> dict[str, float]:
+        """One decision of the rollout autoscaler (rollout.autoscale) on this step's numbers, applied at once;
+        autoscale/* for metrics.jsonl. A resize that fails is logged and counted; the run goes on."""
+        stats = ray.get(self.controller.stats.remote(), timeout=self.cfg.fault.worker_start_timeout_s)
+        signals = StepSignals(wait_s=metrics["time/wait_s"], step_s=metrics["time/step_s"],
+                              queue_depth=int(stats["queue/depth"]), prompts_per_step=self.cfg.learner.prompts_per_step,
+                              dropped_stale=int(stats.get("queue/dropped_stale", 0)))
+        size = len(self.rollout_workers)
+        wanted, reason = self.autoscaler.decide(size, signals)
+        out = {"autoscale/wait_frac": signals.wait_s / max(signals.step_s, 1e-9), f"autoscale/reason_{reason}": 1.0}
+        if wanted != size:
+            try:
+                self.scale(wanted)
+            except (ValueError, WorkerLost) as err:
+                log.warning("autoscaler: resize %d -> %d failed: %s", size, wanted, err)
+                out["autoscale/failed"] = 1.0
+        return {**out, "autoscale/size": float(len(self.rollout_workers)),
+                "autoscale/change": float(len(self.rollout_workers) - size)}
 
     def _apply_scale_request(self, inbox: ScaleInbox) -> None:
         """Apply the newest `relayrl scale` request, if any, and write back the result (or why it was refused):
