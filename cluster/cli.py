@@ -1,5 +1,6 @@
 """`relayrl` command line: `relayrl train|config|plan [--config FILE] [--output-dir DIR] [section.key=value ...]`
-`relayrl plot RUN_DIR` and `relayrl eval --model PATH --data NAME_OR_FILE --samples K`.
+`relayrl plot RUN_DIR`, `relayrl eval --model PATH --data NAME_OR_FILE --samples K`, and
+`relayrl scale RUN_DIR --rollout-workers N` (resize a running job's rollout pool; cluster/scale_requests.py).
 
 `train --resume RUN_DIR` continues that run from its newest complete checkpoint, with RUN_DIR/config.yaml as
 the config unless --config is given (overrides apply on top; settings that fix shapes must not change).
@@ -58,8 +59,15 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("plot", help="draw a run folder's metrics.jsonl as PNG figures (RUN_DIR/plots/)")
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder written by `relayrl train` (holds metrics.jsonl)")
     p.add_argument("--out", default=None, help="folder for the PNGs (default RUN_DIR/plots)")
+    p = sub.add_parser("scale", help="resize a running job's rollout pool (applied between two steps)")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (output_dir) of a running job")
+    p.add_argument("--rollout-workers", type=int, required=True, metavar="N", help="rollout workers wanted")
+    p.add_argument("--wait", type=float, default=600.0, metavar="SECONDS",
+                   help="wait this long for the job to apply it and print the result (0: return at once)")
     add_eval_parser(sub)
     args = parser.parse_args(argv)
+    if args.command == "scale":
+        return scale_command(args.run_dir, args.rollout_workers, args.wait)
     if args.command == "eval":
         return eval_command(args)
     if args.command == "plot":
@@ -104,6 +112,26 @@ def main(argv: list[str] | None = None) -> int:
     brief = {k: summary[k] for k in ("accuracy_before", "accuracy_after", "steps", "wall_seconds", "final_model")}
     print(json.dumps(brief, indent=2))
     return 0
+
+
+def scale_command(run_dir: str, rollout_workers: int, wait_s: float) -> int:
+    """Write the request (cluster/scale_requests.py); with `wait_s`, print the driver's record of it. Exit 0 once
+    applied (or at once with --wait 0), 1 if the job refused it or did not answer in time, 2 on a bad argument."""
+    from cluster.scale_requests import request_scale, wait_done
+
+    try:
+        request_id = request_scale(run_dir, rollout_workers)
+    except ValueError as err:
+        return refuse("relayrl scale", err)
+    if wait_s <= 0:
+        print(json.dumps({"id": request_id, "rollout": rollout_workers, "status": "requested"}))
+        return 0
+    done = wait_done(run_dir, request_id, wait_s)
+    if done is None:
+        return refuse("relayrl scale", f"request {request_id} not applied within --wait {wait_s:g} s: is the job "
+                                       f"writing {run_dir} running? It applies requests between two steps", 1)
+    print(json.dumps(done))
+    return 1 if "error" in done else 0
 
 
 def resume_config(run_dir: str, config: str | None, overrides: list[str]) -> tuple[str, list[str]]:

@@ -23,10 +23,12 @@ from cluster.placement import create_placement, precheck_embedded
 from cluster.plots import plot_after_run
 from cluster.pools import check_roles, start_pools
 from cluster.ray_setup import start_ray
+from cluster.autoscaler import Autoscaler, StepSignals
 from cluster.run_folder import RunFolder
+from cluster.scale_requests import ScaleInbox
 from cluster.shared_folder import check_run_folder_shared
 from cluster.supervisor import Supervisor
-from cluster.worker_pool import PoolContext
+from cluster.worker_pool import PoolContext, WorkerLost
 from learner.objective import finalize_metrics
 from learner.prepare import check_ref_logprobs, learner_scores_ref, prepare_batch, staleness_metrics
 from protocols.config import RunConfig, dump_config
@@ -108,6 +110,7 @@ class Trainer:
         self.learner.join_weight_group(self.rollout_workers)  # nothing to join unless the transport forms a group
         # worker failure: health checks, replacements and bounded waits, pool by pool
         self.supervisor = Supervisor(cfg, self.controller, self.pools)
+        self.autoscaler = Autoscaler(cfg.rollout.autoscale) if cfg.rollout.autoscale.enabled else None
         self.version = 0
         self.trained_group_ids: list[str] = []
         self.accuracy_before: float | None = None
@@ -187,6 +190,7 @@ class Trainer:
         accuracy_before, eval_before = self.accuracy_before, self.eval_before
         log.warning("held-out accuracy before training: %.3f", accuracy_before)
         self.supervisor.start_runs()
+        inbox = ScaleInbox(folder.path)  # `relayrl scale RUN_DIR ...` requests, applied between steps
         totals = self.totals
         bar = tqdm(range(self.version, cfg.train.steps), desc="train", dynamic_ncols=True)
         for _ in bar:
@@ -199,6 +203,8 @@ class Trainer:
                            "publish_s": metrics["time/publish_s"], "step_s": metrics["time/step_s"]})
             if cfg.train.eval_every and self.version % cfg.train.eval_every == 0 and self.version < cfg.train.steps:
                 metrics["eval/accuracy"] = self._evaluate_midway(report=metrics)
+            if self.autoscaler is not None:
+                metrics.update(self._autoscale(metrics))
             if cfg.train.save_every and self.version % cfg.train.save_every == 0:
                 self.save_checkpoint(folder.path)
             if self.version % cfg.train.log_every == 0:
@@ -208,7 +214,9 @@ class Trainer:
                 for pool in self.pools.values():  # reward and reference workers' counters
                     metrics.update(pool.read_counters())
                 metrics.update(self.data_counts)
+                metrics["rollout/num_workers"] = float(len(self.rollout_workers))
                 folder.log(self.version, metrics)
+            self._apply_scale_request(inbox)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", acc=f"{metrics['reward/accuracy']:.2f}")
         self.supervisor.stop_runs()
         worker_reports = self.supervisor.reports()
@@ -260,6 +268,48 @@ class Trainer:
         if cfg.logging.plots:
             plot_after_run(folder.path)  # PNG figures of metrics.jsonl in RUN_DIR/plots (cluster/plots.py)
         return summary
+
+    def scale(self, rollout_workers: int) -> float:
+        """Resize the running job's rollout pool to `rollout_workers` (between two steps: new workers load the
+        newest weights and pass the sync check before their first sample; leaving ones drain within
+        rollout.drain_timeout_s). Returns the seconds it took."""
+        start = time.perf_counter()
+        self.pools["rollout"].resize(rollout_workers, self.cfg.rollout.drain_timeout_s)
+        return time.perf_counter() - start
+
+    def _autoscale(self, metrics: dict) -> dict[str, float]:
+        """One decision of the rollout autoscaler (rollout.autoscale) on this step's numbers, applied at once;
+        autoscale/* for metrics.jsonl. A resize that fails is logged and counted; the run goes on."""
+        stats = ray.get(self.controller.stats.remote(), timeout=self.cfg.fault.worker_start_timeout_s)
+        signals = StepSignals(wait_s=metrics["time/wait_s"], step_s=metrics["time/step_s"],
+                              queue_depth=int(stats["queue/depth"]), prompts_per_step=self.cfg.learner.prompts_per_step,
+                              dropped_stale=int(stats.get("queue/dropped_stale", 0)))
+        size = len(self.rollout_workers)
+        wanted, reason = self.autoscaler.decide(size, signals)
+        out = {"autoscale/wait_frac": signals.wait_s / max(signals.step_s, 1e-9), f"autoscale/reason_{reason}": 1.0}
+        if wanted != size:
+            try:
+                self.scale(wanted)
+            except (ValueError, WorkerLost) as err:
+                log.warning("autoscaler: resize %d -> %d failed: %s", size, wanted, err)
+                out["autoscale/failed"] = 1.0
+        return {**out, "autoscale/size": float(len(self.rollout_workers)),
+                "autoscale/change": float(len(self.rollout_workers) - size)}
+
+    def _apply_scale_request(self, inbox: ScaleInbox) -> None:
+        """Apply the newest `relayrl scale` request, if any, and write back the result (or why it was refused):
+        a request that cannot be met is reported, and the run goes on with the workers it has."""
+        request = inbox.take()
+        if request is None:
+            return
+        try:
+            seconds = self.scale(request["rollout"])
+        except (ValueError, WorkerLost) as err:
+            log.warning("scale request %s refused: %s", request, err)
+            inbox.done(request, rollout=len(self.rollout_workers), error=str(err))
+            return
+        log.warning("rollout pool now %d workers (%.1f s)", len(self.rollout_workers), seconds)
+        inbox.done(request, rollout=len(self.rollout_workers), seconds=seconds)
 
     def save_checkpoint(self, run_dir: Path) -> Path:
         """Checkpoint the run between two steps into run_dir/checkpoints/step_N (layout, atomic write, `latest`

@@ -11,6 +11,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from protocols.algorithm import DEFAULT_PRESET, AlgorithmConfig
+from protocols.autoscale import AutoscaleConfig
 from protocols.data import DataConfig
 from protocols.learner_config import LearnerConfig
 from protocols.model import ModelConfig
@@ -110,6 +111,14 @@ class RolloutConfig(BaseModel):
 
     max_num_seqs: int = Field(256, ge=1)
     """Sequences one engine decodes at once."""
+
+    autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
+    """Grow and shrink the pool from what the run measures (cluster/autoscaler.py); off by default."""
+
+    drain_timeout_s: float = Field(120.0, gt=0, le=86_400)
+    """Seconds a rollout worker leaving a running job (`relayrl scale`, cluster/scale_requests.py) has to finish
+    the groups it holds; those still out then are aborted and their prompts go back to the queue (dropped
+    `rollout_worker_drained`, never trained twice). Raise it for long chain-of-thought responses."""
 
     prompts_in_flight: int = Field(64, ge=1)
     """Groups a worker keeps in its engine at once (each holds samples_per_prompt sequences). A group holds its

@@ -37,7 +37,10 @@ SECTIONS: dict[str, str] = {
               "dropped_<reason>, zero_variance_rewarded (the groups of dropped_zero_variance whose samples were all "
               "rewarded: too easy; the others earned nothing: too hard)",
     "control/": "controller calls by method (calls_<method>)",
-    "rollout/": "idle_frac, tokens_per_s, sync_s_total over the rollout workers",
+    "autoscale/": "the rollout autoscaler's decision after each step (rollout.autoscale): size, change (+1, -1, 0), "
+                  "wait_frac (the share of the step the learner waited) and reason_<why> = 1 for its reason",
+    "rollout/": "idle_frac, tokens_per_s, sync_s_total over the rollout workers; num_workers (the pool's size, "
+                "which `relayrl scale` changes while the job runs)",
     "time/": "seconds per phase of the step: wait_s, learner_s, publish_s, step_s, verify_s (the weight-sync "
              "check: the learner's probe forward and the comparison)",
     "learner/": "the learner's own readings: tokens_per_s, real/processed tokens, effective_token_frac, "

@@ -109,8 +109,8 @@ def test_run_folder_writes_through_the_module(tmp_path):
 
 @pytest.mark.slow
 def test_short_run_logs_reward_worker_counters_eval_sets_and_tool_metrics(ray_cluster, tmp_path):
-    """4 DAPO steps on the demo with the calculator offered, evaluation of the `demo` set at step 2 and after
-    training with 2 samples. The untrained demo model cannot write a call's tags, so every sample is one turn with
+    """4 DAPO steps on the demo with the calculator offered and the rollout autoscaler on, evaluation of the `demo`
+    set at step 2 and after training with 2 samples. The untrained demo model cannot write a call's tags, so every sample is one turn with
     no call; the tools/* metrics are there all the same (one run for all: a Trainer's start costs more than its
     steps)."""
     from cluster.trainer import Trainer
@@ -120,7 +120,10 @@ def test_short_run_logs_reward_worker_counters_eval_sets_and_tool_metrics(ray_cl
         f"output_dir={tmp_path}", "logging.plots=false",
         "train.steps=4", "train.eval_every=2", "train.eval_sets=[demo]",
         "train.eval_samples=2", "learner.prompts_per_step=4", "rollout.samples_per_prompt=4",
-        "data.num_eval_prompts=16", "train.max_staleness=0", "reward.num_workers=2", "tools.builtin=[calculator]"])
+        "data.num_eval_prompts=16", "train.max_staleness=0", "reward.num_workers=2", "tools.builtin=[calculator]",
+        # the autoscaler decides every step; capped at the one worker it has, so it never resizes here (resizing
+        # itself: tests/test_reference_workers.py)
+        "rollout.autoscale.enabled=true", "rollout.autoscale.max_workers=1"])
     trainer = Trainer(cfg)
     try:
         summary = trainer.run()
@@ -128,6 +131,10 @@ def test_short_run_logs_reward_worker_counters_eval_sets_and_tool_metrics(ray_cl
         trainer.shutdown()
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 4
+    for row in rows:  # autoscale/*: one decision per step, logged with its reason
+        assert row["autoscale/size"] == row["rollout/num_workers"] == 1.0 and row["autoscale/change"] == 0.0
+        assert 0 <= row["autoscale/wait_frac"] <= 1
+        assert sum(v for k, v in row.items() if k.startswith("autoscale/reason_")) == 1.0
     assert not (tmp_path / "plots").exists()  # logging.plots=false (tests/test_plots.py draws the tool figures)
     # tools/*: each logged step and their totals in the summary
     for row in rows:

@@ -152,13 +152,15 @@ def test_reference_forward_budget_changes_the_forwards_not_the_numbers(tiny_mode
 
 @pytest.mark.slow
 def test_grpo_run_trains_on_streamed_ref_logprobs_without_a_learner_copy(ray_cluster, tmp_path):
-    """Also resizes the reward and rollout pools 1 -> 2 -> 1 between steps (cluster/worker_pool.py), on this run
-    rather than a Trainer of its own."""
+    """Also resizes the reward pool 1 -> 2 -> 1 between steps from Python (cluster/worker_pool.py) and the rollout
+    pool the same way through `relayrl scale` (cluster/scale_requests.py), on this run rather than a Trainer of
+    its own."""
     import json
     import time
 
     import ray
 
+    from cluster.cli import main as cli_main
     from cluster.supervisor import WorkerLost
     from cluster.trainer import Trainer
 
@@ -174,20 +176,23 @@ def test_grpo_run_trains_on_streamed_ref_logprobs_without_a_learner_copy(ray_clu
     resized: dict = {}
 
     def step_then_resize(groups):  # records what the learner trains on; resizes the pools between steps
+        if trainer.version in (2, 3):  # the run loop applied the scale request made after the step before
+            done = json.loads((tmp_path / "control" / "scale_done.json").read_text())
+            resized[trainer.version - 1].update({
+                "seconds": (resized[trainer.version - 1]["reward_s"], done["seconds"]), "done": done,
+                "ids": list(trainer.supervisor.rollout_ids),
+                "controller": ray.get(trainer.controller.__ray_call__.remote(
+                    lambda c: (list(c.reward_workers), c.num_workers, sorted(c.lost_workers),
+                               sorted(c.get_worker_stats())))),
+                "reward_workers": list(trainer.reward_workers)})
         trained.extend(groups)
         metrics = step(groups)
         if trainer.version in (1, 2):
             t0 = time.monotonic()
             size = {1: 2, 2: 1}[trainer.version]  # 1 -> 2 after step 1, back to 1 after step 2
             trainer.pools["reward"].resize(size)
-            t1 = time.monotonic()
-            trainer.pools["rollout"].resize(size)
-            resized[trainer.version] = {
-                "seconds": (t1 - t0, time.monotonic() - t1), "ids": trainer.supervisor.rollout_ids,
-                "controller": ray.get(trainer.controller.__ray_call__.remote(
-                    lambda c: (list(c.reward_workers), c.num_workers, sorted(c.lost_workers),
-                               sorted(c.get_worker_stats())))),
-                "reward_workers": list(trainer.reward_workers)}
+            resized[trainer.version] = {"reward_s": time.monotonic() - t0}
+            assert cli_main(["scale", str(tmp_path), "--rollout-workers", str(size), "--wait", "0"]) == 0
         return metrics
 
     trainer.step = step_then_resize
@@ -214,6 +219,9 @@ def test_grpo_run_trains_on_streamed_ref_logprobs_without_a_learner_copy(ray_clu
     print("reward, rollout pool resize seconds: 1 -> 2 {:.1f}, {:.1f}; 2 -> 1 {:.1f}, {:.1f}".format(
         *resized[1]["seconds"], *resized[2]["seconds"]))
     grown, shrunk = resized[1], resized[2]
+    assert (grown["done"]["id"], grown["done"]["rollout"], shrunk["done"]["id"], shrunk["done"]["rollout"]) == (1, 2, 2, 1)
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["rollout/num_workers"] for line in logged] == [1.0, 2.0, 1.0]  # logged before each request's apply
     assert grown["ids"] == [0, 1] and shrunk["ids"] == [0]
     assert grown["controller"][:3] == (grown["reward_workers"], 2, []) and len(grown["reward_workers"]) == 2
     assert shrunk["controller"][:3] == (shrunk["reward_workers"], 1, [1])
