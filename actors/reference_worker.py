@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from learner.batch_plan import plan_one_shard
+from learner.batch_plan import MicroBatching, plan_one_shard
 from learner.rank_setup import attention_implementation
 from learner.shard_scoring import score_shard
 from learner.startup_heap import frozen_after_imports
@@ -62,7 +62,7 @@ class ReferenceWorker:
         """Reference log-probs of each response token the engine sampled (0 on others), per sample."""
         start = time.perf_counter()
         lcfg = self.scoring_cfg.learner
-        plan = plan_one_shard(batch, self.scoring_cfg)
+        plan = plan_one_shard(batch, MicroBatching.of_policy(self.scoring_cfg))
         out = score_shard(self.model, batch, plan, self.cfg.rollout.temperature, lcfg.logits_chunk_tokens,
                           lcfg.packing, self.pad_id, self.device)
         self._count(micro_batches=len(plan), samples=batch.num_samples, tokens=sum(batch.sample_tokens()),

@@ -50,7 +50,7 @@ def run_plain(cfg, folder: Path, shard, normalizer, warmup: int, steps: int, res
     from transformers import AutoModelForCausalLM
 
     from learner.batch import collate, response_logits, token_logprobs
-    from learner.batch_plan import plan_one_shard
+    from learner.batch_plan import MicroBatching, plan_one_shard
     from learner.objective import PolicyLossInputs, compute_policy_loss, entropy_from_logits
     from learner.rank_setup import DTYPES
 
@@ -70,7 +70,7 @@ def run_plain(cfg, folder: Path, shard, normalizer, warmup: int, steps: int, res
     res.setup_s = time.perf_counter() - t0
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     temp = cfg.rollout.temperature
-    plan = plan_one_shard(shard, cfg)
+    plan = plan_one_shard(shard, MicroBatching.of_policy(cfg))
     ph = Phases()
 
     def step(instrument: bool) -> float:

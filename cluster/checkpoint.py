@@ -6,6 +6,8 @@ before `relayrl train --resume RUN_DIR` continues a run.
         policy/             the policy in Hugging Face format (serving, evaluation)
         learner/            DeepSpeed checkpoint (tag `ds`: weights, optimizer partitions of every rank) and
                             rng_rank{r}.pt (python, numpy and torch RNG states of rank r)
+        critic/             with a critic (ppo), the same for its ranks (learner/rank_checkpoint.py), its version
+                            in the DeepSpeed checkpoint's client state
         state.json          driver and controller state: policy version, metrics step, trained group ids, data
                             cursor, queued groups, counters, admission accounting, the groups in flight
         config.yaml         the resolved config of the run that wrote it

@@ -1,5 +1,7 @@
 """The critic group: critic.num_workers DeepSpeed value-model ranks as Ray actors (actors/critic_worker.py), a
-RankGroup (cluster/rank_group.py) as the policy's learner group is.
+RankGroup (cluster/rank_group.py) as the policy's learner group is, driven the same way: one plan of shards and
+micro-batches (learner/batch_plan.py, with critic.micro_batch_size), every wait within fault.learner_timeout_s, the
+ranks' rows merged back by the one merge_rows.
 
 The driver trains them together once per step (`start_train` right before the policy learner's step, `finish`
 after it, so both run at once) on the GAE returns of the batch; the rollout workers use the same actors one at a
@@ -9,7 +11,6 @@ vocabulary differs from the policy's, before any actor starts.
 
 import json
 import logging
-import time
 from pathlib import Path
 
 import ray
@@ -18,10 +19,10 @@ import torch
 
 from actors.critic_worker import CriticWorker
 from cluster import checkpoint
-from cluster.learner_failure import dead_ranks
+from cluster.learner_failure import LearnerRankLost, dead_ranks
 from cluster.rank_group import RankGroup
 from cluster.placement import Placement
-from learner.micro_batches import sample_count_micro_batches
+from learner.batch_plan import MicroBatching, merge_rows, plan_batch
 from learner.value_loss import finalize_value_metrics
 from protocols.config import RunConfig
 from protocols.metrics import combine_metrics
@@ -152,7 +153,8 @@ class CriticGroup:
         parameters on every rank), else the critic of the run's newest complete checkpoint, else the initial
         weights. The version continues from the newest the group reached (it never goes back, so the staleness
         of stamped values stays right; the warm-up of the learning rate continues too). Every wait is bounded by
-        fault.worker_start_timeout_s. Returns what the weights came from and what was lost, for the log."""
+        fault.worker_start_timeout_s (a timeout names it). Returns what the weights came from and what was lost,
+        for the log."""
         limit = self.cfg.fault.worker_start_timeout_s
         old, self.lost, self._pings = self.ranks, None, {}
         gone = set(dead_ranks(old)) | {dead}
@@ -177,13 +179,14 @@ class CriticGroup:
             ray.kill(rank)
         self._start(state_ref, self.version)
         if folder is not None and folder.is_dir():
-            saved = ray.get(self.group.call("load_state", str(folder)), timeout=limit)[0]
+            saved = self.group.gather(self.group.call("load_state", str(folder)), "a checkpoint load",
+                                      limit="worker_start_timeout_s")[0]["version"]
             source = (f"the newest checkpoint's critic {folder} (version {saved}, Adam moments included); lost: the "
                       f"{max(self.version - saved, 0)} updates since it")
         elif state_ref is None:
             source = (f"its initial weights {self.model_path}; lost: all {self.version} updates and the Adam "
                       "moments (no rank survived and the run has no checkpoint with a critic)")
-        ray.get(self.group.call("set_version", self.version), timeout=limit)
+        self.group.gather(self.group.call("set_version", self.version), "a restart", limit="worker_start_timeout_s")
         log.warning("critic group restarted after rank %d died; weights from %s; version stays %d", dead, source,
                     self.version)
         return source
@@ -193,24 +196,22 @@ class CriticGroup:
         """The actor handles, for the rollout workers' `add_values` calls."""
         return list(self.ranks)
 
-    def _shards(self, num_samples: int) -> tuple[list[list[int]], int]:
-        """Round-robin sample indices per rank (equal counts within one) and the micro-batch count every rank runs."""
-        n = len(self.ranks)
-        parts = [list(range(r, num_samples, n)) for r in range(n)]
-        count = max(1, max(len(sample_count_micro_batches(len(p), self.cfg.critic.micro_batch_size)) for p in parts))
-        return parts, count
+    def _plan(self, batch: TrainingBatch):
+        """The policy learner's plan (learner/batch_plan.py) over the critic's ranks, with critic.micro_batch_size:
+        shards of about equal tokens whose sample counts differ by one at most, and as many micro-batches on every
+        rank (padding ones where a shard needs fewer)."""
+        return plan_batch(batch, MicroBatching.of_critic(self.cfg), len(self.ranks))
 
     def start_train(self, batch: TrainingBatch):
         """Launch one critic update on the batch's returns, with its values as the old values (returns at once;
         `finish` waits). Returns what `finish` needs."""
-        parts, count = self._shards(batch.num_samples)
         mask = batch.loss_mask
         num_tokens = float(mask.sum())
         flat = batch.returns[mask]
         returns_var = float(flat.var(unbiased=False)) if flat.numel() else 0.0
         if num_tokens == 0:  # nothing to fit (every sample masked): no update, the version stays
             return [], returns_var
-        refs = self.group.call_each("train_step", [((batch.select(idx), num_tokens, count), {}) for idx in parts])
+        refs = self.group.call_sharded("train_step", batch, self._plan(batch), num_tokens)
         return refs, returns_var
 
     def finish(self, started) -> dict[str, float]:
@@ -221,27 +222,15 @@ class CriticGroup:
         refs, returns_var = started
         if not refs:
             return {}
-        limit = self.cfg.fault.learner_timeout_s
-        deadline = time.monotonic() + limit
-        pending = list(refs)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            try:
-                if not ready:
-                    raise TimeoutError(f"a critic update did not finish on every rank within "
-                                       f"fault.learner_timeout_s={limit}; raise it if updates are this long")
-                ray.get(ready[0])
-            except (ray.exceptions.RayError, TimeoutError) as err:
-                dead = dead_ranks(self.ranks)
-                if not dead:
-                    raise
-                self.lost = (dead[0], err)
-                # the lost update still counts: values stamped after the restart must pass the queue's critic
-                # staleness check as if it had been taken (else every later group would be one version behind)
-                self.version += 1
-                log.warning("critic rank %d died during an update; the update is lost", dead[0])
-                return {"critic/update_lost": 1.0}
-        parts = ray.get(refs)
+        try:
+            parts = self.group.gather(refs, "an update")
+        except LearnerRankLost as err:
+            self.lost = (err.ranks[0], err.__cause__ or err)
+            # the lost update still counts: values stamped after the restart must pass the queue's critic
+            # staleness check as if it had been taken (else every later group would be one version behind)
+            self.version += 1
+            log.warning("critic rank %d died during an update; the update is lost", err.ranks[0])
+            return {"critic/update_lost": 1.0}
         # the learning rate and the version are the same on every rank: rank 0's stand; the rest merge by the rule
         shared = {key: parts[0][key] for key in RANK_INVARIANT if key in parts[0]}
         summed = {**combine_metrics({k: v for k, v in part.items() if k not in RANK_INVARIANT} for part in parts),
@@ -253,24 +242,23 @@ class CriticGroup:
         return self.finish(self.start_train(batch))
 
     def values(self, batch: TrainingBatch) -> tuple[torch.Tensor, int]:
-        """((B, T) values of every response token, critic version), spread over the ranks."""
-        parts, _ = self._shards(batch.num_samples)
-        results = ray.get([rank.values.remote(batch.select(idx)) for rank, idx in zip(self.ranks, parts) if idx])
-        out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
-        for idx, (rows, _) in zip([p for p in parts if p], results):
-            out[torch.tensor(idx), : rows.shape[1]] = rows
-        return out, min(version for _, version in results)
+        """((B, T) values of every response token, critic version), spread over the ranks by the training plan."""
+        plan = self._plan(batch)
+        results = self.group.gather(self.group.call_sharded("values", batch, plan), "a values pass")
+        return merge_rows(batch, plan, [rows for rows, _ in results]), min(version for _, version in results)
 
     def save_state(self, folder: str) -> int:
-        """Every rank writes its part of a DeepSpeed checkpoint under `folder` (shared by all ranks); the version."""
-        return ray.get(self.group.call("save_state", folder))[0]
+        """Every rank writes its part of a DeepSpeed checkpoint and its RNG states under `folder` (shared by all
+        ranks), as the policy's ranks do (learner/rank_checkpoint.py); returns the version."""
+        return self.group.gather(self.group.call("save_state", folder), "a checkpoint save")[0]["version"]
 
     def load_state(self, folder: str) -> int:
-        self.version = ray.get(self.group.call("load_state", folder))[0]
+        """Every rank loads its part of what save_state wrote (the version and the warm-up's position included)."""
+        self.version = self.group.gather(self.group.call("load_state", folder), "a checkpoint load")[0]["version"]
         return self.version
 
     def save(self, folder: str) -> str:
-        return ray.get(self.group.call("save", folder))[0]
+        return self.group.gather(self.group.call("save", folder), "a model save")[0]
 
     def shutdown(self) -> None:
         self.group.shutdown()

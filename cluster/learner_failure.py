@@ -14,7 +14,12 @@ PING_S = 5.0
 
 
 class LearnerRankLost(RuntimeError):
-    """A learner rank's actor died; the message names the rank, its node and what it was doing."""
+    """A learner (or critic) rank's actor died; the message names the rank, its node and what it was doing."""
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+        """The dead ranks' indices (the critic's group restarts from them rather than stopping the run)."""
 
 
 def _node_of(placement, rank: int, role: str = "learner") -> str:
@@ -50,12 +55,14 @@ def _lost(ranks: list, placement, what: str, cause: BaseException | None,
     return LearnerRankLost(
         f"{role} {names} died during {what}; the run stops (DeepSpeed ranks cannot be replaced one at a time). "
         f"Nothing was written after the failure: resume from the newest checkpoint under <output_dir>/checkpoints "
-        f"(`relayrl train --resume RUN_DIR`). Cause: {type(cause).__name__ if cause else 'unknown'}: {cause}")
+        f"(`relayrl train --resume RUN_DIR`). Cause: {type(cause).__name__ if cause else 'unknown'}: {cause}", dead)
 
 
-def gather_ranks(refs: list, ranks: list, placement, what: str, timeout_s: float, role: str = "learner") -> list:
-    """ray.get of one call per rank (in rank order), waiting at most `timeout_s` (fault.learner_timeout_s) in all.
-    A failure is checked at once, not after the other ranks (they may sit in a collective with the dead one)."""
+def gather_ranks(refs: list, ranks: list, placement, what: str, timeout_s: float, role: str = "learner",
+                 setting: str = "fault.learner_timeout_s") -> list:
+    """ray.get of one call per rank (in rank order), waiting at most `timeout_s` (the value of `setting`, which a
+    timeout names) in all. A failure is checked at once, not after the other ranks (they may sit in a collective
+    with the dead one)."""
     deadline = time.monotonic() + timeout_s
     pending = list(refs)
     while pending:
@@ -65,8 +72,8 @@ def gather_ranks(refs: list, ranks: list, placement, what: str, timeout_s: float
             if lost is not None:
                 raise lost
             raise TimeoutError(
-                f"{role} {what} did not finish on every rank within fault.learner_timeout_s={timeout_s}; raise it "
-                "if steps are this long, or look for a rank stuck in a collective")
+                f"{what} did not finish on every {role} rank within {setting}={timeout_s}; raise it if such "
+                "calls are this long, or look for a rank stuck in a collective")
         try:
             ray.get(ready[0])
         except ray.exceptions.RayError as err:

@@ -10,7 +10,7 @@ r of one group (r // sp equal) get the same shard, and scores come back from the
 import ray
 import torch
 
-from learner.batch_plan import BatchPlan, plan_batch
+from learner.batch_plan import BatchPlan, MicroBatching, merge_rows, plan_batch
 from learner.learner_actor import LearnerRank
 from learner.objective import LossNormalizer, combine_metrics, count_normalizer, finalize_metrics, needs_proximal_logprobs
 from learner.update_plan import combine_updates, mini_batch_order
@@ -21,15 +21,6 @@ from weights.backends import weight_backend
 from cluster.placement import Placement, create_placement
 from cluster.rank_group import RankGroup
 from cluster.ray_setup import learner_options
-
-
-def merge_rows(batch: TrainingBatch, plan: BatchPlan, results: list[torch.Tensor]) -> torch.Tensor:
-    """(B, T) of the whole batch from each group's (B_g, T_g) result, in the plan's sample order."""
-    out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
-    for idx, rows in zip(plan.shards, results):
-        if idx:
-            out[torch.tensor(idx), : rows.shape[1]] = rows
-    return out
 
 
 class LearnerGroup:
@@ -48,18 +39,15 @@ class LearnerGroup:
 
     def _gather(self, refs: list, what: str) -> list:
         """Results of one call per rank within fault.learner_timeout_s; a dead rank raises LearnerRankLost naming it."""
-        return self.group.gather(refs, what, self.cfg.fault.learner_timeout_s)
+        return self.group.gather(refs, what)
 
     def _fan_out(self, method: str, batch: TrainingBatch, *args) -> tuple[BatchPlan, list]:
         """Plan `batch` over the data-parallel groups once and call `method(shard, *args, plan=micro-batches)` on
         every rank: rank r gets its group's shard r // sequence_parallel_size (its SP ranks share it). Returns the
         plan and the refs, one per rank."""
         sp = self.cfg.learner.sequence_parallel_size
-        plan = plan_batch(batch, self.cfg, len(self.ranks) // sp)
-        shards = [batch.select(idx) for idx in plan.shards]
-        refs = self.group.call_each(method, [((shards[r // sp], *args), {"plan": plan.micro_batches[r // sp]})
-                                             for r in range(len(self.group))])
-        return plan, refs
+        plan = plan_batch(batch, MicroBatching.of_policy(self.cfg), len(self.ranks) // sp)
+        return plan, self.group.call_sharded(method, batch, plan, *args, ranks_per_shard=sp)
 
     def train_step(self, batch: TrainingBatch, normalizer: LossNormalizer) -> dict[str, float]:
         """Train on one global batch: learner.ppo_epochs passes of learner.mini_batches_per_step optimizer steps

@@ -1,7 +1,8 @@
 """A group of DeepSpeed ranks hosted by Ray actors: started in their role's placement bundles, joined into one
-process group, and called together. The policy's learner group (cluster/learner_group.py) and the critic's
-(cluster/critic_group.py) each hold one and add only what is theirs: the batch plan and the weights out for the
-learner, values and restart after a lost rank for the critic.
+process group, called together (a batch's shards by the one plan, learner/batch_plan.py) and waited for within
+a fault.* limit. The policy's learner group (cluster/learner_group.py) and the critic's (cluster/critic_group.py)
+each hold one and add only what is theirs: mini-batches and the weights out for the learner, values and restart
+after a lost rank for the critic.
 """
 
 import socket
@@ -10,7 +11,9 @@ import ray
 
 from cluster.learner_failure import gather_ranks
 from cluster.placement import Placement
+from learner.batch_plan import BatchPlan
 from protocols.config import RunConfig
+from protocols.training_batch import TrainingBatch
 
 RANK_ENV = {"TORCHDYNAMO_DISABLE": "1"}
 """Environment of every rank, on top of the job's. The ranks compile nothing, but DeepSpeed's ZeRO optimizers
@@ -37,6 +40,7 @@ class RankGroup:
         `actor_class(cfg, r, num_ranks, model_path)`, then join them (`join`; join=False leaves that to the
         caller, so that other actors can start while these do)."""
         self.role = role
+        self.cfg = cfg
         self.placement = placement
         self.ranks = [ray.remote(actor_class).options(**opts, runtime_env={"env_vars": RANK_ENV})
                       .remote(cfg, r, len(options), model_path) for r, opts in enumerate(options)]
@@ -70,10 +74,19 @@ class RankGroup:
         """Refs of `method(*args, **kwargs)` on rank r with (args, kwargs) = per_rank[r]."""
         return [getattr(rank, method).remote(*args, **kwargs) for rank, (args, kwargs) in zip(self.ranks, per_rank)]
 
-    def gather(self, refs: list, what: str, timeout_s: float) -> list:
-        """Results of one call per rank within `timeout_s`; a dead rank raises LearnerRankLost naming the rank
-        and its node (cluster/learner_failure.py)."""
-        return gather_ranks(refs, self.ranks, self.placement, what, timeout_s, role=self.role)
+    def call_sharded(self, method: str, batch: TrainingBatch, plan: BatchPlan, *args, ranks_per_shard: int = 1) -> list:
+        """Refs of `method(shard, *args, plan=micro-batches)` on every rank: rank r takes shard r // ranks_per_shard
+        of `plan` with its micro-batches (the sequence-parallel ranks of a group share one)."""
+        shards = [batch.select(idx) for idx in plan.shards]
+        return self.call_each(method, [((shards[r // ranks_per_shard], *args),
+                                        {"plan": plan.micro_batches[r // ranks_per_shard]})
+                                       for r in range(len(self.ranks))])
+
+    def gather(self, refs: list, what: str, limit: str = "learner_timeout_s") -> list:
+        """Results of one call per rank within fault.<limit> (a call's own limit: a step, a save), which a timeout
+        names; a dead rank raises LearnerRankLost naming the rank and its node (cluster/learner_failure.py)."""
+        return gather_ranks(refs, self.ranks, self.placement, what, getattr(self.cfg.fault, limit), role=self.role,
+                            setting=f"fault.{limit}")
 
     def shutdown(self) -> None:
         for rank in self.ranks:

@@ -3,10 +3,12 @@
 The driver sends each rank its shard of the TrainingBatch (whole samples, advantages already computed on the
 whole batch) with the shard's micro-batches from the one plan (learner/batch_plan.py), then the rank runs them
 and takes one optimizer step; it reads which tokens train from the batch's `loss_mask`. A batch that makes
-several steps (learner/update_plan.py) comes one mini-batch per call. Loss values are shares of the
-mini-batch's loss (its global normalizers), scaled by the world size because DeepSpeed averages gradients over
-ranks: the summed gradient is then the same for 1 or N ranks, whatever the split. Weights leave through the
-transport that `weight_sync.type` names.
+several steps (learner/update_plan.py) comes one mini-batch per call. This module holds the policy's forward and
+loss of one micro-batch; the step around it (accumulation boundary, loss scale, non-finite skip), the warm-up
+and the checkpoint are the rank template's (learner/rank_template.py), which the critic's ranks fill in too. Loss
+values are shares of the mini-batch's loss (its global normalizers), scaled by the world size because DeepSpeed
+averages gradients over ranks: the summed gradient is then the same for 1 or N ranks, whatever the split. Weights
+leave through the transport that `weight_sync.type` names.
 
 With learner.sequence_parallel_size = sp > 1, each group of sp consecutive ranks shares one shard: every
 micro-batch is one packed row, each rank runs a 1/sp slice of it (Ulysses attention, learner/sequence_parallel.py)
@@ -18,22 +20,11 @@ import time
 import torch
 
 from learner.batch import SampleBatch, score_responses
-from learner.batch_plan import plan_one_shard
-from learner.lr_schedule import warmup_schedule
+from learner.batch_plan import MicroBatching, plan_one_shard
 from learner.micro_batches import check_fits_context
-from learner.nonfinite import agree, check_skipped, is_nonfinite, poison
-from learner.objective import (
-    LossNormalizer,
-    PolicyLossInputs,
-    combine_metrics,
-    compute_policy_loss,
-    needs_ref_logprobs,
-)
-from learner.rank_checkpoint import RankCheckpoint
-from learner.rank_weights import RankWeights
+from learner.objective import LossNormalizer, PolicyLossInputs, compute_policy_loss, needs_ref_logprobs
 from learner.rank_setup import (
     DTYPES,
-    DeepSpeedRank,
     attention_implementation,
     deepspeed_config,
     enable_gradient_checkpointing,
@@ -41,6 +32,8 @@ from learner.rank_setup import (
     peak_memory_gib,
     reset_peak_memory,
 )
+from learner.rank_template import StepReadings, TrainingRank
+from learner.rank_weights import RankWeights
 from learner.shard_scoring import collate_micro_batch, micro_batch, score_shard
 from learner.sequence_parallel import (
     gather_sequence,
@@ -56,18 +49,16 @@ from protocols.config import RunConfig
 from protocols.training_batch import TrainingBatch
 
 
-class LearnerRank(DeepSpeedRank, RankCheckpoint, RankWeights):
-    """The checkpoint and state methods (save_state, load_state, optimizer_digest, state_snapshot) come from
-    learner/rank_checkpoint.py; the weights going out (publish_weights, the weight group, save_hf) from
+class LearnerRank(TrainingRank, RankWeights):
+    """The policy's forward and loss in the rank template (learner/rank_template.py: the optimizer step's loop,
+    the warm-up, the checkpoint); the weights going out (publish_weights, the weight group, save_hf) come from
     learner/rank_weights.py."""
 
     def __init__(self, cfg: RunConfig, rank: int, world_size: int, model_path: str) -> None:
-        super().__init__(cfg, rank, world_size, model_path)
+        super().__init__(cfg, rank, world_size, model_path, cfg.learner.sequence_parallel_size)
         self.init_weights_out()
-        self.sp = cfg.learner.sequence_parallel_size
+        self.micro_batching = MicroBatching.of_policy(cfg)
         self.groups = None  # SequenceParallelGroups when sp > 1
-        self.skipped_nonfinite = 0
-        """Updates skipped because the loss or the gradient norm was NaN or infinite (learner/nonfinite.py)."""
 
     def setup(self, master_addr: str, master_port: int) -> int:
         """Join the process group and build the DeepSpeed engine. All ranks must call it together."""
@@ -117,10 +108,7 @@ class LearnerRank(DeepSpeedRank, RankCheckpoint, RankWeights):
                                       weight_decay=cfg.learner.weight_decay, fused=fused or None)
         ds_config = deepspeed_config(self.num_micro, cfg.learner.max_grad_norm, cfg.learner.zero_stage,
                                      cfg.model.dtype)
-        # DeepSpeed steps the schedule at every accumulation boundary, i.e. once per optimizer step.
-        schedule = warmup_schedule(optimizer, cfg.learner.lr_warmup_steps) if cfg.learner.lr_warmup_steps else None
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
-                                               config=ds_config, mpu=mpu)
+        self._start_engine(deepspeed, model, optimizer, ds_config, cfg.learner.lr_warmup_steps, mpu=mpu)
         return self.num_micro
 
     # --- scoring ---------------------------------------------------------------------------------------------
@@ -145,7 +133,7 @@ class LearnerRank(DeepSpeedRank, RankCheckpoint, RankWeights):
                      temperature: float | None = None) -> torch.Tensor:
         """(B, T) log-probs of the shard's loss tokens under `model` (0 elsewhere), in the micro-batches `plan`
         (None: this rank's own plan, for a rank that runs alone), at `temperature` (None: rollout.temperature)."""
-        plan = plan if plan is not None else plan_one_shard(shard, self.cfg)
+        plan = plan if plan is not None else plan_one_shard(shard, self.micro_batching)
         temperature = self.cfg.rollout.temperature if temperature is None else temperature
         if self.sp == 1:
             lcfg = self.cfg.learner
@@ -198,7 +186,6 @@ class LearnerRank(DeepSpeedRank, RankCheckpoint, RankWeights):
         this rank's own plan, for a rank that runs alone).
         Returns summed metrics (see finalize_metrics), plus learner/real_tokens and learner/processed_tokens
         (padding included), learner/micro_batches_max and learner/peak_gib_max."""
-        cfg = self.cfg
         start = time.perf_counter()
         dev = self._device()
         reset_peak_memory(dev)
@@ -208,17 +195,19 @@ class LearnerRank(DeepSpeedRank, RankCheckpoint, RankWeights):
             raise ValueError("LearnerRank.train_step needs a batch with advantages (learner/objective.py "
                              "compute_advantages); this one has none")
         self._check_ref(shard)
-        plan = plan if plan is not None else plan_one_shard(shard, cfg)
-        if self.sp > 1:
-            return self._train_step_sequence_parallel(shard, normalizer, plan, tokens, start)
-        # The engine's batch size follows this step's count (DeepSpeed's own bookkeeping); the boundary is set
-        # explicitly below, so a count that changes between steps never meets a stale micro-step counter.
-        self.engine.set_train_batch_size(len(plan) * self.world_size)
-        summed: dict[str, float] = {"learner/real_tokens": 0.0, "learner/processed_tokens": 0.0}
-        lr = self.engine.get_lr()[0]  # this step's: the schedule moves on at the step's boundary
-        self.engine.train()
-        nonfinite = False
-        for k, idx in enumerate(plan):
+        plan = plan if plan is not None else plan_one_shard(shard, self.micro_batching)
+        make = self._sequence_parallel_forward_and_loss if self.sp > 1 else self._forward_and_loss
+        forward_and_loss = make(shard, normalizer, tokens)
+        summed, readings = self._optimizer_step(plan, forward_and_loss,
+                                                {"learner/real_tokens": 0.0, "learner/processed_tokens": 0.0})
+        return self._finish_step(summed, start, len(plan), dev, readings)
+
+    def _forward_and_loss(self, shard: TrainingBatch, normalizer: LossNormalizer, tokens: list[int]):
+        """The policy's forward and loss of one micro-batch (the template's ForwardAndLoss), padded or packed
+        rows (learner.packing), with the token counts of learner/real_tokens and learner/processed_tokens."""
+        cfg = self.cfg
+
+        def forward_and_loss(idx: list[int]):
             batch, part = self._collate(shard, idx)
             logprobs, entropy, ref = self._policy_and_ref_scores(score_responses, batch, part.ref_logprobs)
             inputs = PolicyLossInputs(
@@ -234,16 +223,11 @@ class LearnerRank(DeepSpeedRank, RankCheckpoint, RankWeights):
                 entropy=entropy,
             )
             loss, metrics = compute_policy_loss(logprobs, inputs, cfg.algorithm, normalizer)
-            loss, nonfinite = self._guard_nonfinite(loss, logprobs, nonfinite, k == len(plan) - 1, dev)
-            self.engine.set_gradient_accumulation_boundary(k == len(plan) - 1)
-            # DeepSpeed averages gradients over ranks; the loss is this micro-batch's share of the global sum.
-            self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
-            self.engine.step()
-            summed["learner/real_tokens"] += float(sum(tokens[i] for i in idx))
-            summed["learner/processed_tokens"] += float(batch.processed_tokens)
-            summed = combine_metrics([summed, {key: float(value) for key, value in metrics.items()}])
-            del logprobs, entropy, inputs, loss, batch, part
-        return self._finish_step(summed, start, len(plan), dev, lr, nonfinite)
+            counts = {"learner/real_tokens": float(sum(tokens[i] for i in idx)),
+                      "learner/processed_tokens": float(batch.processed_tokens)}
+            return loss, logprobs, {**counts, **{key: float(value) for key, value in metrics.items()}}
+
+        return forward_and_loss
 
     def _check_ref(self, shard: TrainingBatch) -> None:
         """A KL needs reference log-probs: from the batch, or from the rank's own reference model."""
@@ -267,58 +251,36 @@ class LearnerRank(DeepSpeedRank, RankCheckpoint, RankWeights):
                 ref, _ = score(self.ref_model, batch, cfg.rollout.temperature, cfg.learner.logits_chunk_tokens)
         return logprobs, entropy, ref
 
-    def _guard_nonfinite(self, loss: torch.Tensor, logprobs: torch.Tensor, nonfinite: bool, last: bool,
-                         dev: torch.device) -> tuple[torch.Tensor, bool]:
-        """(the loss to backward, whether the step so far saw a non-finite loss). Before the step's last backward
-        every rank agrees (all-reduce) and, if any saw one, makes its gradient non-finite so the optimizer's
-        global norm check skips the update on every rank (learner/nonfinite.py)."""
-        nonfinite = nonfinite or is_nonfinite(loss)
-        if last:
-            nonfinite = agree(nonfinite, dev)
-            if nonfinite:
-                loss = poison(loss, logprobs)
-        return loss, nonfinite
-
-    def _finish_step(self, summed: dict[str, float], start: float, num_micro: int,
-                     dev: torch.device, lr: float, nonfinite: bool = False) -> dict[str, float]:
-        """The step's rank-level readings, added to its summed metrics after the optimizer step; `lr` is the
-        learning rate the step used."""
-        grad_norm = self.engine.get_global_grad_norm()
-        # A NaN/inf loss or gradient norm: the optimizer dropped the step (weights and moments unchanged).
-        self.skipped_nonfinite += check_skipped(nonfinite, grad_norm)
+    def _finish_step(self, summed: dict[str, float], start: float, num_micro: int, dev: torch.device,
+                     readings: StepReadings) -> dict[str, float]:
+        """The step's rank-level readings, added to its summed metrics after the optimizer step."""
         summed["learner/skipped_nonfinite_max"] = float(self.skipped_nonfinite)
-        summed["grad_norm_max"] = float(grad_norm) if grad_norm is not None else 0.0
+        summed["grad_norm_max"] = readings.grad_norm
         summed["learner_seconds_max"] = time.perf_counter() - start
         summed["learner/micro_batches_max"] = float(num_micro)
         summed["learner/peak_gib_max"] = peak_memory_gib(dev)
         # Optimizer steps this engine has taken in the run (several per batch with learner.ppo_epochs or
         # learner.mini_batches_per_step above 1): the count an LR schedule steps with.
         summed["learner/optimizer_steps_total_max"] = float(self.engine.global_steps)
-        summed["learner/lr_max"] = float(lr)
+        summed["learner/lr_max"] = readings.lr
         return summed
 
-    def _train_step_sequence_parallel(self, shard: TrainingBatch, normalizer: LossNormalizer,
-                                      plan: list[list[int]], tokens: list[int], start: float) -> dict[str, float]:
-        """train_step when sp ranks share each sample: the same plan on every rank of the group, one packed row per
-        micro-batch, this rank's 1/sp slice of it. Per-token metrics add up over the slices; what counts samples
-        (num_sequences, learner/real_tokens) is counted by SP rank 0 only, so the group's sum counts each once."""
+    def _sequence_parallel_forward_and_loss(self, shard: TrainingBatch, normalizer: LossNormalizer,
+                                            tokens: list[int]):
+        """_forward_and_loss when sp ranks share each sample: the same plan on every rank of
+        the group, one packed row per micro-batch, this rank's 1/sp slice of it. Per-token metrics add up over the
+        slices; what counts samples (num_sequences, learner/real_tokens) is counted by SP rank 0 only, so the
+        group's sum counts each once."""
         cfg = self.cfg
         groups = self.groups
         dev = self._device()
         first = groups.sp_rank == 0
-        # What set_train_batch_size writes, counting data-parallel groups, not ranks. DeepSpeed 0.19's own call
-        # fails under a Ulysses mpu (its engine.dp_world_size is None there); the boundary is set explicitly below.
-        self.engine._config.train_batch_size = len(plan) * groups.dp_size
-        self.engine._config.gradient_accumulation_steps = len(plan)
-        summed: dict[str, float] = {"learner/real_tokens": 0.0, "learner/processed_tokens": 0.0}
-        lr = self.engine.get_lr()[0]  # this step's: the schedule moves on at the step's boundary
-        self.engine.train()
         per_token = tuple(name for name in ("behavior_logprobs", "advantages", "ref_logprobs", "proximal_logprobs")
                           if getattr(shard, name) is not None)
-        nonfinite = False
-        for k, idx in enumerate(plan):
+
+        def forward_and_loss(idx: list[int]):
             part = micro_batch(shard, idx)
-            row, piece = self._sp_slice(shard, idx, per_token)
+            _, piece = self._sp_slice(shard, idx, per_token)
             # |y_i|: loss tokens of whole samples, as a slice may hold part of one (seq_mean_token_mean divides by it)
             lengths = part.loss_mask.sum(dim=1).float().to(dev)
             logprobs, entropy, ref = self._policy_and_ref_scores(sequence_parallel_scores, piece,
@@ -336,17 +298,11 @@ class LearnerRank(DeepSpeedRank, RankCheckpoint, RankWeights):
             loss, metrics = compute_policy_loss(logprobs, inputs, cfg.algorithm, normalizer)
             # A packed row is one "sequence" to compute_policy_loss; count samples with a loss token instead.
             metrics["num_sequences"] = float((lengths > 0).sum()) if first else 0.0
-            loss, nonfinite = self._guard_nonfinite(loss, logprobs, nonfinite, k == len(plan) - 1, dev)
-            self.engine.set_gradient_accumulation_boundary(k == len(plan) - 1)
-            # DeepSpeed sums gradients over the SP ranks and divides by the dp size: scale the share by dp.
-            self.engine.backward(loss * groups.dp_size, scale_wrt_gas=False)
-            self.engine.step()
-            if first:
-                summed["learner/real_tokens"] += float(sum(tokens[i] for i in idx))
-            summed["learner/processed_tokens"] += float(piece.input_ids.numel())
-            summed = combine_metrics([summed, {key: float(value) for key, value in metrics.items()}])
-            del logprobs, entropy, inputs, loss, piece, row, part
-        return self._finish_step(summed, start, len(plan), dev, lr, nonfinite)
+            counts = {"learner/real_tokens": float(sum(tokens[i] for i in idx)) if first else 0.0,
+                      "learner/processed_tokens": float(piece.input_ids.numel())}
+            return loss, logprobs, {**counts, **{key: float(value) for key, value in metrics.items()}}
+
+        return forward_and_loss
 
     def ping(self) -> int:
         return self.rank

@@ -1,6 +1,7 @@
-"""The policy's learning-rate schedule: a linear warm-up counted in optimizer steps (several per batch with
-learner.ppo_epochs or learner.mini_batches_per_step above 1). Pure; learner/learner_actor.py hands it to DeepSpeed,
-which steps it once per optimizer step (at each gradient-accumulation boundary).
+"""The learning-rate schedule of every trained model (the policy's and the critic's): a linear warm-up counted in
+optimizer steps (several per batch with learner.ppo_epochs or learner.mini_batches_per_step above 1). Pure;
+learner/rank_template.py hands it to DeepSpeed, which steps it once per optimizer step (at each
+gradient-accumulation boundary).
 """
 
 import torch
@@ -14,6 +15,11 @@ def warmup_factor(completed_steps: int, warmup_steps: int) -> float:
     return min(1.0, (completed_steps + 1) / warmup_steps)
 
 
-def warmup_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR of warmup_factor; step it once after every optimizer step (DeepSpeed does)."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: warmup_factor(k, warmup_steps))
+def warmup_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int,
+                    completed_steps: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR of warmup_factor, standing after `completed_steps` optimizer steps (a critic group restarted at
+    its version continues its warm-up); step it once after every optimizer step (DeepSpeed does)."""
+    for group in optimizer.param_groups:  # what LambdaLR itself records when it starts from step 0
+        group.setdefault("initial_lr", group["lr"])
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: warmup_factor(k, warmup_steps),
+                                             last_epoch=completed_steps - 1)

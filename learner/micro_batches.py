@@ -12,17 +12,18 @@ import heapq
 def karmarkar_karp(weights: list[int], num_parts: int, equal_size: bool = False) -> list[list[int]]:
     """Indices of `weights` split into `num_parts` parts of about equal sums (largest differencing method).
 
-    equal_size: every part gets len(weights) / num_parts items (which must divide). Parts come back sorted by
-    index inside, and ordered by their first index, so the result does not depend on heap tie-breaking."""
+    equal_size: the parts' sizes differ by at most one (all len(weights) / num_parts when that divides). Parts
+    come back sorted by index inside, and ordered by their first index, so the result does not depend on heap
+    tie-breaking."""
     n = len(weights)
     if num_parts < 1:
         raise ValueError(f"num_parts={num_parts} must be >= 1")
-    if equal_size and n % num_parts:
-        raise ValueError(f"{n} samples do not split into {num_parts} equal parts")
     # A state is num_parts partial parts, each (sum, [indices]); sorted so parts[0] has the largest sum.
     heap: list = []
     if equal_size:
-        # seed with groups of num_parts items, one per part, taken in sorted order (verl's scheme)
+        # seed with groups of num_parts items, one per part, taken in sorted order (verl's scheme). A last, short
+        # group leaves some of its parts empty: it is the only uneven state, and a merge pairs each part of one
+        # state with one part of another, so the sizes stay at most one apart
         order = sorted(range(n), key=lambda i: weights[i])
         seeds = [order[k:k + num_parts] for k in range(0, n, num_parts)]
     else:
@@ -142,7 +143,8 @@ def sample_count_micro_batches(num_samples: int, micro_batch_size: int) -> list[
 
 def plan_ranks(tokens: list[int], num_ranks: int, budget: int) -> list[list[int]]:
     """Sample indices per rank, balanced by token count. With sample-count micro-batches (budget 0) every rank
-    gets the same number of samples, so the configured micro-batch count holds on every rank."""
+    gets the same number of samples (one apart where num_ranks does not divide them: the critic's ranks take the
+    whole batch, whatever its size), so the configured micro-batch count holds on every rank."""
     return karmarkar_karp(tokens, num_ranks, equal_size=budget == 0)
 
 

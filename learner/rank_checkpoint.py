@@ -1,7 +1,8 @@
-"""A learner rank's checkpoint and state methods: its part of a DeepSpeed checkpoint, its RNG states, and the
-readings tests and resumes compare (the optimizer digest, a bitwise snapshot).
+"""A trained rank's checkpoint and state methods, the policy's and the critic's alike: its part of a DeepSpeed
+checkpoint (weights, optimizer partition, learning-rate schedule, the rank's own counters), its RNG states, and
+the readings tests and resumes compare (the optimizer digest, a bitwise snapshot).
 
-`LearnerRank` (learner/learner_actor.py) mixes this in, so these stay remote methods of the rank; the
+The rank template (learner/rank_template.py) mixes this in, so these stay remote methods of the rank; the
 checkpoint's layout belongs to cluster/checkpoint.py. Each method needs only the rank's built engine: DeepSpeed's
 own save and load are engine methods, so this module does not import DeepSpeed.
 """
@@ -17,25 +18,35 @@ DS_TAG = "ds"
 
 
 class RankCheckpoint:
-    """Needs `self.engine` (the DeepSpeed engine) and `self.rank`."""
+    """Needs `self.engine` (the DeepSpeed engine), `self.rank` and `self.role`. A rank with counters of its own to
+    resume (the critic's version) overrides client_state and restore_client_state."""
+
+    def client_state(self) -> dict:
+        """The rank's own state saved inside its DeepSpeed checkpoint; none for the policy's ranks."""
+        return {}
+
+    def restore_client_state(self, state: dict) -> None:
+        """Take back what client_state saved."""
 
     def save_state(self, folder: str) -> dict:
-        """Write this rank's part of a DeepSpeed checkpoint (weights, its optimizer partition) under `folder`/ds
-        and its RNG states to `folder`/rng_rank{r}.pt. Collective: every rank calls it together. Returns
-        optimizer_digest() as saved."""
-        self.engine.save_checkpoint(folder, tag=DS_TAG, save_latest=False)
+        """Write this rank's part of a DeepSpeed checkpoint (weights, its optimizer partition, client_state())
+        under `folder`/ds and its RNG states to `folder`/rng_rank{r}.pt. Collective: every rank calls it together.
+        Returns optimizer_digest() as saved, with client_state()."""
+        self.engine.save_checkpoint(folder, tag=DS_TAG, save_latest=False, client_state=self.client_state())
         torch.save(capture_rng_state(), os.path.join(folder, f"rng_rank{self.rank}.pt"))
-        return self.optimizer_digest()
+        return {**self.optimizer_digest(), **self.client_state()}
 
     def load_state(self, folder: str) -> dict:
-        """Load what save_state wrote (weights, optimizer state, RNG states). Collective. Returns
-        optimizer_digest() as loaded, so the caller can compare it with the saved one."""
-        path, _ = self.engine.load_checkpoint(folder, tag=DS_TAG, load_optimizer_states=True,
-                                              load_lr_scheduler_states=True)
+        """Load what save_state wrote (weights, optimizer state, learning-rate schedule, client state, RNG
+        states). Collective. Returns optimizer_digest() as loaded, with client_state(), so the caller can compare
+        it with the saved one."""
+        path, client = self.engine.load_checkpoint(folder, tag=DS_TAG, load_optimizer_states=True,
+                                                   load_lr_scheduler_states=True)
         if path is None:
-            raise RuntimeError(f"learner rank {self.rank}: DeepSpeed found no checkpoint `{DS_TAG}` in {folder}")
+            raise RuntimeError(f"{self.role} rank {self.rank}: DeepSpeed found no checkpoint `{DS_TAG}` in {folder}")
+        self.restore_client_state(client)
         restore_rng_state(torch.load(os.path.join(folder, f"rng_rank{self.rank}.pt"), weights_only=False))
-        return self.optimizer_digest()
+        return {**self.optimizer_digest(), **self.client_state()}
 
     def optimizer_digest(self) -> dict:
         """Adam's step count and the sums of its moments over this rank's optimizer partition (float64): equal

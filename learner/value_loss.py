@@ -67,4 +67,6 @@ def finalize_value_metrics(summed: dict[str, float], returns_var: float) -> dict
     for key in ("critic/grad_norm_max", "critic/lr", "critic/version", "critic/seconds_max"):
         if key in summed:
             out[key] = summed[key]
+    if "critic/skipped_nonfinite_max" in summed:  # each rank's running count, the same on every rank
+        out["critic/skipped_nonfinite"] = summed["critic/skipped_nonfinite_max"]
     return out

@@ -239,7 +239,8 @@ class FaultConfig(BaseModel):
     """Longest a replacement worker may take to start (vLLM engine start, weight load) or a worker to stop."""
 
     learner_timeout_s: float = Field(3600.0, gt=0, le=86_400)
-    """Longest one learner call (a training step, a weight publish, a save) may take on every rank."""
+    """Longest one learner or critic call (a training step, a weight publish, a values pass, a save) may take on
+    every rank."""
 
     max_rescore_attempts: int = Field(2, ge=0, le=100)
     """Times a group whose reward (or reference) worker died is sent to a live one before it is dropped

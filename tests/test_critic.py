@@ -7,7 +7,6 @@ import shutil
 import pytest
 import torch
 
-from learner.critic_rank import warmup_lr
 from learner.value_loss import clipped_value_loss
 from protocols.config import ConfigError, load_config
 from protocols.training_batch import TrainingBatch
@@ -46,12 +45,6 @@ def test_clipped_value_loss_parts_add_up_to_the_global_mean():
     parts = sum(clipped_value_loss(values[i:i + 1], old[i:i + 1], returns[i:i + 1], mask[i:i + 1], 0.2, n)[0]
                 for i in range(4))
     assert float(parts) == pytest.approx(float(whole), rel=1e-6)
-
-
-def test_warmup_lr_by_hand():
-    # lr 1e-4, 3 warm-up updates: (u + 1) / 3 of lr for u = 0, 1, 2 (as the policy's), then lr
-    assert [warmup_lr(1e-4, 3, u) for u in range(5)] == pytest.approx([1e-4 / 3, 2e-4 / 3, 1e-4, 1e-4, 1e-4])
-    assert warmup_lr(1e-4, 0, 0) == 1e-4
 
 
 # ------------------------------------------------------------------------------------------ config checks
@@ -151,6 +144,43 @@ def test_real_critic_value_loss_falls_on_a_fixed_batch(ray_cluster, tiny_models)
     correct = [v for i, row in enumerate(final) if i % 2 == 0 for v in row]
     wrong = [v for i, row in enumerate(final) if i % 2 for v in row]
     assert sum(correct) / len(correct) > sum(wrong) / len(wrong) + 0.5
+
+
+class HangingCriticRank:
+    """A critic rank stand-in (no model) whose values and saves outlast any limit, as a rank stuck in a collective."""
+
+    def __init__(self, cfg, rank: int, world_size: int, model_path: str) -> None:
+        self.rank = rank
+
+    def values(self, shard, plan=None):
+        __import__("time").sleep(60)
+
+    def ping(self) -> int:
+        return self.rank
+
+
+@pytest.mark.slow
+def test_a_critic_call_past_fault_learner_timeout_s_raises_naming_it(ray_cluster):
+    """The driver's waits on the critic's ranks are bounded by the learner's setting, as the learner group's are."""
+    import time
+
+    from cluster.critic_group import CriticGroup
+    from cluster.rank_group import RankGroup
+
+    cfg = critic_config("fault.learner_timeout_s=0.5")
+    group = CriticGroup.__new__(CriticGroup)  # the group's wiring over stand-in ranks: no model, no DeepSpeed
+    group.cfg = cfg
+    group.group = RankGroup(HangingCriticRank, "critic", cfg, "", [{"num_cpus": 0}] * 2, join=False)
+    group.ranks = group.group.ranks
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"a values pass did not finish on every critic rank within "
+                                               r"fault.learner_timeout_s=0.5"):
+            group.values(fixed_batch())
+        # 0.5 s, then at most dead_ranks' 5 s ping (a busy rank answers late and counts as alive)
+        assert time.monotonic() - t0 < 10
+    finally:
+        group.group.shutdown()
 
 
 @pytest.mark.slow

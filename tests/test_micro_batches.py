@@ -39,9 +39,10 @@ def test_karmarkar_karp_balances_a_long_tailed_batch():
     assert max(loads(equal, tokens)) - min(loads(equal, tokens)) <= max(tokens)
 
 
-def test_equal_size_refuses_a_split_that_does_not_divide():
-    with pytest.raises(ValueError, match="equal parts"):
-        karmarkar_karp([1, 2, 3], 2, equal_size=True)
+def test_equal_size_keeps_sizes_one_apart_when_the_parts_do_not_divide_the_items():
+    # [1, 2, 3] over 2: seeds {0, 1} (parts 2 | 1) and {2} (parts 3 | empty), the larger difference; merged
+    # crosswise: 3 + 1 = {0, 2} and 0 + 2 = {1}, sizes 2 and 1 (the critic's ranks take whole batches of any size)
+    assert karmarkar_karp([1, 2, 3], 2, equal_size=True) == [[0, 2], [1]]
 
 
 def test_budget_micro_batches_hold_the_budget_and_are_about_equal():

@@ -6,7 +6,7 @@ import torch
 
 from learner.aggregation import count_normalizer
 from learner.batch import collate, collate_packed, score_responses
-from learner.batch_plan import plan_batch
+from learner.batch_plan import MicroBatching, plan_batch
 from learner.objective import PolicyLossInputs, compute_policy_loss
 from learner.sequence_parallel import pack_row
 from protocols.config import load_config
@@ -130,7 +130,7 @@ def test_plan_splits_every_sample_once_with_equal_micro_batch_counts():
     cfg = load_config(None, ["learner.max_tokens_per_micro_batch=12", "learner.packing=true"])
     lengths = [1, 9, 3, 7, 2, 8, 4, 6]
     batch = TrainingBatch.from_samples([[1, 2]] * 8, [[5] * n for n in lengths])
-    plan = plan_batch(batch, cfg, num_groups=2)
+    plan = plan_batch(batch, MicroBatching.of_policy(cfg), num_groups=2)
     assert sorted(i for shard in plan.shards for i in shard) == list(range(8))
     assert len({len(m) for m in plan.micro_batches}) == 1  # every rank runs as many micro-batches
     for shard, micro in zip(plan.shards, plan.micro_batches):
