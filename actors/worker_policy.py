@@ -1,5 +1,5 @@
 """A rollout worker's control decisions, without Ray or vLLM: when to call the controller, how many groups to
-ask for, when to load newer weights, when to stop. `RolloutWorker.run` and the simulator (`cluster/simulator.py`)
+ask for, when to load newer weights, when to stop. `RolloutWorker.run` and the simulator (`simulator/simulation.py`)
 both drive this class at each safe point, so the simulator's admission and control-plane figures are the workers'.
 
 The worker keeps one long poll (`watch`) open for news (newer weights, stop, freed budget) and reads its answer

@@ -1,7 +1,7 @@
 """Controller load at scale, in simulation (issue 8, item 4): calls the rollout workers make to the one
 controller actor, per simulated second and per finished group, at 64, 256 and 1,024 engines, for the old loop
 (`legacy`: a poll and an acquire per decode step, a put per group) against the batched one (`sync` per batch of
-groups plus a long poll for news), both driven by the workers' own `WorkerPolicy` (`cluster/simulator.py`).
+groups plus a long poll for news), both driven by the workers' own `WorkerPolicy` (`simulator/simulation.py`).
 
     python benchmarks/control_plane.py [--engines 64 256 1024] [--steps 8] [--warmup 3]
 
@@ -12,7 +12,7 @@ per finished group, per weight version and worker; the goal is that it stays a s
 import argparse
 import time
 
-from cluster.simulator import SimulationResult, SimulatorConfig, balanced, simulate
+from simulator.simulation import SimulationResult, SimulatorConfig, balanced, simulate
 
 
 def headline(engines: int, steps: int, warmup: int) -> SimulatorConfig:

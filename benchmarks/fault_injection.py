@@ -20,7 +20,7 @@ from pathlib import Path
 
 import ray
 
-from cluster.driver_session import kill_session, launch_train
+from cli.driver_session import kill_session, launch_train
 from cluster.trainer import Trainer
 from protocols.config import load_config
 

@@ -38,7 +38,7 @@ MODES = {"async": [], "sync": ["train.max_staleness=0"],
 def run_mode(mode: str, steps: int, out: Path, extra: list[str]) -> Path:
     """One job as a user runs it (`relayrl train`), in its own process; returns its run folder."""
     folder = out / mode
-    cmd = [sys.executable, "-m", "cluster.cli", "train", "--config", str(CONFIG), "--output-dir", str(folder),
+    cmd = [sys.executable, "-m", "cli.main", "train", "--config", str(CONFIG), "--output-dir", str(folder),
            f"train.steps={steps}", *MODES[mode], *extra]
     print(f"[{mode}] {' '.join(cmd[2:])}", flush=True)
     t0 = time.perf_counter()
@@ -126,7 +126,7 @@ def figure(folders: dict[str, Path], path: Path) -> None:
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    from cluster.plots import load_metrics, series
+    from cli.plots import load_metrics, series
 
     fig = Figure(figsize=(12, 3.6))
     axes = fig.subplots(1, 3)

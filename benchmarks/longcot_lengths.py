@@ -14,7 +14,7 @@ import time
 import torch
 from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
-from cluster.longcot_model import accuracy_by_difficulty, greedy_responses_by_length, prepare_longcot_model
+from demos.longcot_model import accuracy_by_difficulty, greedy_responses_by_length, prepare_longcot_model
 from protocols.config import load_config
 from rewards.datasets import load_longcot_prompts
 from rewards.longcot_data import longcot_problems, solution_text

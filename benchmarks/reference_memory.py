@@ -54,7 +54,7 @@ def build_model(root: Path, args) -> str:
 
         folder, _ = build_model_folder(args.shape, root, 151936, "cuda" if args.gpu else "cpu", max_positions=4096)
         return str(folder)
-    from cluster.demo_model import build_random_model
+    from demos.arithmetic_model import build_random_model
 
     return build_random_model(root / "model", tied=False, hidden=args.hidden, layers=args.layers,
                               heads=args.hidden // 64, kv_heads=max(1, args.hidden // 256), head_dim=64,

@@ -1,11 +1,11 @@
 """Asynchronous against synchronous RL at scale, in simulation (issue 4, benchmark 2): the real controller,
 replay queue and staleness rules run with timed stand-ins for 64+ vLLM engines and the learner
-(`cluster/simulator.py`). Prints throughput against the ideal bound min(generation, training capacity), the
+(`simulator/simulation.py`). Prints throughput against the ideal bound min(generation, training capacity), the
 learner's idle share and the speedup over the synchronous baseline of the same scenario, all from one run.
-`--multi-turn` runs the tool-using rows instead (`cluster/sim_tools.py`): tool calls of 0 to 1000 decode steps,
+`--multi-turn` runs the tool-using rows instead (`simulator/tools.py`): tool calls of 0 to 1000 decode steps,
 each against the ideal bound, the same run with tools that answer at once, and its synchronous baseline.
 `--length-aware` runs each long-tail row with length-aware dispatch off and on, same seed (rollout.
-length_aware_dispatch; cluster/sim_dispatch.py, actors/length_history.py).
+length_aware_dispatch; simulator/dispatch.py, actors/length_history.py).
 
     python benchmarks/simulate_async.py [--engines 64] [--steps 40] [--warmup 8] [--seed 0] [--multi-turn]
                                         [--length-aware]
@@ -14,8 +14,8 @@ length_aware_dispatch; cluster/sim_dispatch.py, actors/length_history.py).
 import argparse
 import time
 
-from cluster.sim_tools import ToolScenario, decode_step_seconds
-from cluster.simulator import SimulationResult, SimulatorConfig, balanced, simulate
+from simulator.simulation import SimulationResult, SimulatorConfig, balanced, simulate
+from simulator.tools import ToolScenario, decode_step_seconds
 
 
 def scenarios(base: SimulatorConfig) -> list[tuple[str, SimulatorConfig]]:
@@ -136,7 +136,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--multi-turn", action="store_true", help="tool-using rows (cluster/sim_tools.py)")
+    parser.add_argument("--multi-turn", action="store_true", help="tool-using rows (simulator/tools.py)")
     parser.add_argument("--length-aware", action="store_true", help="length-aware dispatch off and on, same seed")
     args = parser.parse_args()
     base = balanced(SimulatorConfig(num_engines=args.engines, prompts_per_step=8 * args.engines, steps=args.steps,

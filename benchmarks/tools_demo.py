@@ -4,7 +4,7 @@ plain torch, and the comparison plot of a tool run and its no-tools row from the
     .venv/bin/python benchmarks/tools_demo.py score demo runs/demo_tools/final_model runs/demo_tools_no_tools/final_model
     .venv/bin/python benchmarks/tools_demo.py plot runs/demo_tools runs/demo_tools_no_tools --out docs/tools_demo_run.png
 
-`score` runs cluster/demo_tool_task.greedy_tool_rollouts_hf on the config's held-out problems (`demo` is the cached
+`score` runs demos/tool_task.greedy_tool_rollouts_hf on the config's held-out problems (`demo` is the cached
 warm-started model), with the calculator and without (one turn: a call is then the whole answer, so it is wrong).
 """
 
@@ -22,8 +22,8 @@ def score(folders: list[str], config: str) -> list[dict]:
     import torch
     from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
-    from cluster.demo_model import prepare_demo_model
-    from cluster.demo_tool_task import greedy_tool_rollouts_hf, tool_rollout_stats
+    from demos.arithmetic_model import prepare_demo_model
+    from demos.tool_task import greedy_tool_rollouts_hf, tool_rollout_stats
     from protocols.config import load_config
     from rewards.datasets import load_arithmetic_prompts
 
@@ -49,7 +49,7 @@ def plot(tool_run: str, no_tool_run: str, out: str) -> None:
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    from cluster.plots import load_metrics, series, smooth
+    from cli.plots import load_metrics, series, smooth
 
     fig = Figure(figsize=(11, 3.6))
     axes = fig.subplots(1, 3)

@@ -20,10 +20,10 @@ def resolve_model_path(cfg: RunConfig) -> str:
             )
         return cfg.model.path
     if cfg.data.format == "longcot":  # the long chain-of-thought demo's own model and cache key
-        from cluster.longcot_model import prepare_longcot_model
+        from demos.longcot_model import prepare_longcot_model
 
         return prepare_longcot_model(demo=cfg.model.demo, data=cfg.data, log=log.info)
-    from cluster.demo_model import prepare_demo_model
+    from demos.arithmetic_model import prepare_demo_model
 
     return prepare_demo_model(demo=cfg.model.demo, data=cfg.data, tools=cfg.tools)
 

@@ -15,12 +15,12 @@ import torch
 from tqdm import tqdm
 
 from actors.controller import ControllerActor
+from cli.plots import plot_after_run
 from cluster import checkpoint
 from cluster.evaluation import evaluate, evaluate_sets, load_eval_sets
 from cluster.learner_group import LearnerGroup
 from cluster.model_folder import fit_lengths_to_model, resolve_model_path
 from cluster.placement import create_placement, precheck_embedded
-from cluster.plots import plot_after_run
 from cluster.pools import check_roles, start_pools
 from cluster.ray_setup import start_ray
 from cluster.autoscaler import Autoscaler, StepSignals
@@ -266,7 +266,7 @@ class Trainer:
         folder.write_summary(summary)
         folder.close()
         if cfg.logging.plots:
-            plot_after_run(folder.path)  # PNG figures of metrics.jsonl in RUN_DIR/plots (cluster/plots.py)
+            plot_after_run(folder.path)  # PNG figures of metrics.jsonl in RUN_DIR/plots (cli/plots.py)
         return summary
 
     def scale(self, rollout_workers: int) -> float:

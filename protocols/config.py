@@ -254,7 +254,7 @@ class LoggingConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     plots: bool = True
-    """Draw the run's figures (RUN_DIR/plots/*.png, cluster/plots.py) when it ends: about 4 s of CPU. `false`
+    """Draw the run's figures (RUN_DIR/plots/*.png, cli/plots.py) when it ends: about 4 s of CPU. `false`
     skips them; `relayrl plot RUN_DIR` draws them later from metrics.jsonl."""
 
     wandb: bool = False

@@ -1,6 +1,6 @@
 """Which policy model a run trains: a Hugging Face folder, or the tiny built-in demo model.
 
-`ModelConfig.path` empty means "build the demo model" (cluster/demo_model.py builds it once, warm-starts it on
+`ModelConfig.path` empty means "build the demo model" (demos/arithmetic_model.py builds it once, warm-starts it on
 the arithmetic task and caches it); any other value is a local Hugging Face folder loaded as is.
 """
 

@@ -4,7 +4,7 @@ The written-out solution of `a*b` has one step per unit of `b` (`k:s+a=t;`: coun
 sum), then `#` and the product, so its length grows with `b`; `b` is drawn from a mix of easy and long problems,
 which gives the long tail of response lengths (docs/longcot_demo.md). Problems are generated, never read from
 disk; each (a, b) pair belongs to the train or the test split by a fixed hash. rewards/datasets.py turns them into
-`Prompt`s, cluster/longcot_model.py warm-starts a model on the solutions, rewards/longcot.py scores the answers.
+`Prompt`s, demos/longcot_model.py warm-starts a model on the solutions, rewards/longcot.py scores the answers.
 """
 
 import random

@@ -105,7 +105,7 @@ def ray_cluster(_session_ray):
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, str]:
     """Random-init Qwen2 folders with the demo tokenizer: {"tied": path, "untied": path}."""
-    from cluster.demo_model import build_random_model
+    from demos.arithmetic_model import build_random_model
 
     root = tmp_path_factory.mktemp("tiny_models")
     return {name: build_random_model(root / name, tied=(name == "tied"), seed=1) for name in ("tied", "untied")}

@@ -7,8 +7,8 @@ import pytest
 
 from actors.controller import ControllerActor, RolloutController, SyncReply, SyncRequest, WatchReply
 from actors.worker_policy import PolicySettings, WorkerPolicy
-from cluster.simulator import simulate
 from protocols.weight_announcement import WeightAnnouncement
+from simulator.simulation import simulate
 from tests.test_replay_queue import make_group, make_prompts
 from tests.test_simulator import small
 

@@ -8,7 +8,7 @@ from pydantic import ValidationError
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from cluster.demo_model import (
+from demos.arithmetic_model import (
     READY_MARKER,
     build_cached,
     build_random_model,

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from cluster.demo_model import (
+from demos.arithmetic_model import (
     SYMBOLS,
     build_random_model,
     build_tokenizer,
@@ -12,7 +12,7 @@ from cluster.demo_model import (
     vocabulary,
     warm_start,
 )
-from cluster.demo_tool_task import (
+from demos.tool_task import (
     demo_calculator,
     greedy_tool_rollouts_hf,
     tool_example,

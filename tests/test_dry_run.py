@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from cluster.cli import main
+from cli.main import main
 from tests.conftest import REPO, shared_dir, start_test_ray
 from tests.test_configs import GPU_CONFIGS as CONFIGS  # the CPU demos describe no cluster
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cli import main
+from cli.main import main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -84,7 +84,7 @@ def test_a_data_file_missing_the_mapped_field_names_path_line_and_field(tiny_mod
 def test_longcot_set_and_demo_model_follow_the_config(monkeypatch):
     """`--data longcot` is the long-CoT task's held-out set with its verifier; `--model demo` under a long-CoT config
     resolves to the long-CoT model's builder, not the addition demo's (both cached builds are slow, so recorded)."""
-    import cluster.longcot_model
+    import demos.longcot_model
     from cluster.evaluation import eval_data_config
     from cluster.model_folder import resolve_model_path
     from protocols.config import load_config
@@ -93,5 +93,5 @@ def test_longcot_set_and_demo_model_follow_the_config(monkeypatch):
     name, data, verifier = eval_data_config("longcot", cfg.data.model_copy(update={"format": "arithmetic"}))
     assert (name, data.format, verifier) == ("longcot", "longcot", "longcot")
     calls = []
-    monkeypatch.setattr(cluster.longcot_model, "prepare_longcot_model", lambda **kw: calls.append(kw) or "/m")
+    monkeypatch.setattr(demos.longcot_model, "prepare_longcot_model", lambda **kw: calls.append(kw) or "/m")
     assert resolve_model_path(cfg) == "/m" and calls[0]["demo"] == cfg.model.demo

@@ -107,7 +107,7 @@ def test_submitted_demo_job_writes_its_summary(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 5 and 0 <= summary["accuracy_after"] <= 1
     assert Path(summary["final_model"], "config.json").is_file()
-    # the end of the run drew its figures (cluster/plots.py)
+    # the end of the run drew its figures (cli/plots.py)
     figures = sorted(p.name for p in (run_dir / "plots").glob("*.png"))
     assert "overview.png" in figures and len(figures) == 8
     assert all((run_dir / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for name in figures)

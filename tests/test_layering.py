@@ -2,7 +2,8 @@
 DeepSpeed when loaded: those live in cluster/ and actors/, DeepSpeed is imported inside the learner rank's methods
 only, and Ray inside the transports' methods only. So the objective and the configs run in a plain torch process,
 such as the GPU machine, which has neither Ray nor vLLM. Outside the rank actor (learner_actor.py), learner/ holds no
-Ray at all, not even inside a method."""
+Ray at all, not even inside a method. The demo models (demos/) and the simulator (simulator/) load none of the three
+either."""
 
 import ast
 import subprocess
@@ -39,6 +40,14 @@ def test_weights_load_without_ray_vllm_or_deepspeed():
     # the learner ranks import these, and so do the rollout workers: Ray only inside the methods that use it
     modules = _modules("weights")
     assert "weights.transport" in modules and "weights.backends" in modules
+    assert _loaded_after_import(modules) == []
+
+
+def test_demos_and_simulator_load_without_ray_vllm_or_deepspeed():
+    # the demo models are built before the driver starts Ray (and by the dry run, which starts nothing); the
+    # simulator runs hundreds of stand-in engines in one benchmark process
+    modules = _modules("demos", "simulator")
+    assert "demos.arithmetic_model" in modules and "simulator.simulation" in modules
     assert _loaded_after_import(modules) == []
 
 

@@ -9,12 +9,12 @@ from actors.controller import RolloutController
 from actors.controller_messages import SyncRequest
 from actors.decode_loop import DecodeLoop
 from actors.length_history import LengthHistory
-from cluster.sim_dispatch import GroupDispatch
-from cluster.sim_scenario import prompt_lengths, response_length
-from cluster.sim_tools import ToolScenario
-from cluster.simulator import SimulatorConfig, balanced, simulate
 from protocols.config import RolloutConfig
 from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup
+from simulator.dispatch import GroupDispatch
+from simulator.scenario import prompt_lengths, response_length
+from simulator.simulation import SimulatorConfig, balanced, simulate
+from simulator.tools import ToolScenario
 from tests.test_decode_loop import ScriptedEngine
 
 

@@ -24,7 +24,7 @@ def build_talkative_model(folder: Path) -> str:
     (all 14 others negative at once has probability 2^-14 per token)."""
     from transformers import AutoModelForCausalLM
 
-    from cluster.demo_model import build_random_model
+    from demos.arithmetic_model import build_random_model
 
     path = build_random_model(folder, tied=False, max_positions=8192, seed=3)
     model = AutoModelForCausalLM.from_pretrained(path)

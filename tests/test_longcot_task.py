@@ -5,7 +5,7 @@ import statistics
 
 import pytest
 
-from cluster.longcot_model import (
+from demos.longcot_model import (
     WarmStartFailed,
     build_longcot_random_model,
     build_longcot_tokenizer,
@@ -129,7 +129,7 @@ def test_warm_start_below_its_target_refuses(tmp_path):
 
 
 def test_dry_run_reads_the_longcot_task_with_its_own_tokenizer(tmp_path):
-    from cluster.dry_run import check_data
+    from cli.dry_run import check_data
     from protocols.config import RunConfig
 
     cfg = RunConfig(data=DataConfig(format="longcot", num_eval_prompts=10))

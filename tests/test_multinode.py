@@ -63,7 +63,7 @@ def _node_of(actor) -> str:
 
 
 def test_plan_command_reads_the_live_nodes(three_nodes, capsys):
-    from cluster.cli import main
+    from cli.main import main
 
     address = ray.get_runtime_context().gcs_address
     assert main(["plan", f"cluster.address={address}", "cluster.learner_resources={learner_node: 1}",

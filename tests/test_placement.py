@@ -2,7 +2,7 @@
 
 import pytest
 
-from cluster.cli import main
+from cli.main import main
 from cluster.placement import Node, PlacementError, check_plan, parse_node_spec, plan_placement
 from protocols.config import ConfigError, load_config
 
@@ -181,7 +181,7 @@ def test_gpu_run_on_a_machine_without_gpus_is_refused_before_ray_starts(tmp_path
     if torch.cuda.is_available():
         pytest.skip("this machine has GPUs")
     # the command line a user types, in a fresh process (no Ray running there, none started)
-    done = subprocess.run([sys.executable, "-m", "cluster.cli", "train", f"--output-dir={tmp_path}",
+    done = subprocess.run([sys.executable, "-m", "cli.main", "train", f"--output-dir={tmp_path}",
                            "cluster.use_gpus=true", "cluster.num_cpus=8"],
                           cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(REPO)})

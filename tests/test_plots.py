@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cli import main
-from cluster.plots import FIGURES, PlotError, load_metrics, phase_shares, plot_run, smooth
+from cli.main import main
+from cli.plots import FIGURES, PlotError, load_metrics, phase_shares, plot_run, smooth
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FIXTURE_RUN = Path(__file__).parent / "fixtures" / "demo_run"

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from actors.controller import RolloutController, SyncRequest
+from cli.driver_session import kill_session, launch_train
+from cli.main import main
 from cluster import checkpoint
 from cluster.checkpoint import CheckpointError
-from cluster.cli import main
-from cluster.driver_session import kill_session, launch_train
 from cluster.run_folder import RunFolder
 from protocols.config import RunConfig, dump_config, load_config
 from protocols.trajectory import Prompt

@@ -304,7 +304,7 @@ def _torch_path_worker(rank: int, port: int, folders: dict[str, str], out_path: 
 @pytest.fixture(scope="module")
 def sp_models(tmp_path_factory) -> dict[str, str]:
     """The demo shape (hidden 128, 2 layers, 2 heads of 64): one KV head (copied to both SP ranks) and two."""
-    from cluster.demo_model import build_random_model
+    from demos.arithmetic_model import build_random_model
 
     root = tmp_path_factory.mktemp("sp_models")
     return {"kv1": build_random_model(root / "kv1", tied=True, kv_heads=1, seed=3),

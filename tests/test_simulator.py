@@ -3,7 +3,7 @@ staleness bounds and version order hold, and asynchronous beats synchronous on l
 
 import pytest
 
-from cluster.simulator import SimulatorConfig, _stamp, balanced, simulate
+from simulator.simulation import SimulatorConfig, _stamp, balanced, simulate
 
 
 def small(**update) -> SimulatorConfig:
@@ -73,7 +73,7 @@ def test_tokens_carry_the_version_in_force_when_sampled():
 
 
 def test_balanced_learner_matches_generation_capacity():
-    from cluster.simulator import capacities
+    from simulator.simulation import capacities
 
     cap = capacities(small())
     assert cap["training_capacity"] == pytest.approx(cap["generation_capacity"])

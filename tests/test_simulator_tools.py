@@ -4,8 +4,8 @@ engines full through tool calls of 10 decode steps while the synchronous baselin
 
 import random
 
-from cluster.sim_tools import ToolScenario, decode_step_seconds, plan_sample
-from cluster.simulator import Simulation, SimulatorConfig, balanced, capacities, simulate
+from simulator.simulation import Simulation, SimulatorConfig, balanced, capacities, simulate
+from simulator.tools import ToolScenario, decode_step_seconds, plan_sample
 
 
 def tiny(**tools) -> SimulatorConfig:

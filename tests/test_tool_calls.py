@@ -4,7 +4,7 @@ character tokenizer, and the `tools/*` metrics of a batch."""
 
 import pytest
 
-from cluster.demo_model import build_tokenizer
+from demos.arithmetic_model import build_tokenizer
 from protocols.tools import ToolsConfig
 from protocols.trajectory import Prompt, ToolCall, Trajectory
 from rewards.tool_calls import (MAX_CALL_CHARS, MAX_JSON_DEPTH, MalformedCall, ParsedCall, parse_call, render_output,

@@ -7,7 +7,7 @@ the config unless --config is given (overrides apply on top; settings that fix s
 
 `plan` prints the placement a config asks for (roles, bundles, nodes) and refuses one the cluster cannot hold,
 without starting any actor. `train --dry-run` checks the config, model folder, data and placement and prints what
-the run would start (cluster/dry_run.py). `plot` draws a run folder's metrics.jsonl as PNGs (cluster/plots.py).
+the run would start (cli/dry_run.py). `plot` draws a run folder's metrics.jsonl as PNGs (cli/plots.py).
 `eval` runs the evaluation harness (cluster/evaluation.py) on a model folder.
 """
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         return plan_command(cfg, args.node)
     if args.dry_run:
-        from cluster.dry_run import dry_run
+        from cli.dry_run import dry_run
 
         checks, report = dry_run(cfg, args.node)
         print(report)
@@ -245,7 +245,7 @@ def plan_command(cfg, node_specs: list[str]) -> int:
 
 def plot_command(run_dir: str, out_dir: str | None) -> int:
     """Write the run's figures and list them; exit 2 when the folder holds nothing to plot."""
-    from cluster.plots import PlotError, plot_run
+    from cli.plots import PlotError, plot_run
 
     try:
         paths = plot_run(run_dir, out_dir)

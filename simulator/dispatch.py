@@ -1,5 +1,5 @@
 """The simulated engines' waiting requests under length-aware dispatch (rollout.length_aware_dispatch), for
-cluster/simulator.py: each holds `_Sequence`s whose `priority` is minus their group's expected length (from the
+simulator/simulation.py: each holds `_Sequence`s whose `priority` is minus their group's expected length (from the
 controller's `LengthHistory`, actors/length_history.py). Without length-aware dispatch an engine's waiting
 requests are a plain deque (vLLM's first-come-first-served queue). The interface is the deque's subset the
 simulator and its tool turns use: append, extend, insert, popleft, clear, len.

@@ -18,10 +18,10 @@ response lengths (lognormal plus a share that runs to max_response_tokens, as in
 rewards (Bernoulli per sample at a per-prompt success rate), reward workers (instant), a weight load (a fixed
 pause) and the learner step (c + d * tokens). The driver's long poll for a batch (`wait_batch`) and the worker's
 3 ms idle sleep are replaced by reacting at once to the events that can change their answer. With
-`SimulatorConfig.tools`, samples are multi-turn (cluster/sim_tools.py): at a tool call a sample leaves its slot
+`SimulatorConfig.tools`, samples are multi-turn (simulator/tools.py): at a tool call a sample leaves its slot
 while the tool runs and continues as a new request; tool tokens are in the response but never decoded. With
 `SimulatorConfig.length_aware` each worker holds its groups and hands its engine the longest-expected one when the
-engine's queue is empty (cluster/sim_dispatch.py), the expectation from the controller's `LengthHistory`.
+engine's queue is empty (simulator/dispatch.py), the expectation from the controller's `LengthHistory`.
 """
 
 import gc
@@ -34,7 +34,10 @@ from dataclasses import dataclass, field
 from actors.controller import RolloutController
 from actors.replay_queue import group_has_signal
 from actors.worker_policy import PolicySettings, WorkerPolicy, legacy_calls
-from cluster.sim_scenario import (  # noqa: F401  (re-exported: the benchmarks and tests import them from here)
+from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup
+from protocols.weight_announcement import WeightAnnouncement
+from simulator.dispatch import GroupDispatch, PriorityWaiting
+from simulator.scenario import (  # noqa: F401  (re-exported: the benchmarks and tests import them from here)
     SimulationResult,
     SimulatorConfig,
     balanced,
@@ -44,10 +47,7 @@ from cluster.sim_scenario import (  # noqa: F401  (re-exported: the benchmarks a
     response_length,
     success_rates,
 )
-from cluster.sim_dispatch import GroupDispatch, PriorityWaiting
-from cluster.sim_tools import EngineTools, ToolTurns
-from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup
-from protocols.weight_announcement import WeightAnnouncement
+from simulator.tools import EngineTools, ToolTurns
 
 LEGACY_IDLE_SLEEP_S = 0.003
 """The old worker loop's sleep between controller polls while its engine had nothing to decode."""

@@ -1,7 +1,7 @@
 """The long chain-of-thought demo policy: a tiny Qwen2 model and character tokenizer for `a*b=` worked out step by
 step (rewards/longcot_data.py), built locally, warm-started supervised on the written-out solutions and cached.
 
-cluster/demo_model.py's `prepare_demo_model` hands `data.format: longcot` runs here; the folder then feeds the
+demos/arithmetic_model.py's `prepare_demo_model` hands `data.format: longcot` runs here; the folder then feeds the
 rollout engines and the learner like the addition demo's. The warm start stops at a target accuracy (room for RL)
 and refuses to hand over a model that never reached it.
 """
@@ -18,7 +18,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, proce
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from cluster.demo_model import BOS, EOS, PAD, build_cached, default_cache_dir, greedy_responses_hf
+from demos.arithmetic_model import BOS, EOS, PAD, build_cached, default_cache_dir, greedy_responses_hf
 from protocols.data import DataConfig
 from protocols.model import DemoModelConfig
 from protocols.trajectory import Prompt

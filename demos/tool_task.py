@@ -1,4 +1,4 @@
-"""The tool demo's pieces of the demo model (cluster/demo_model.py): whole-word tool tokens for the character
+"""The tool demo's pieces of the demo model (demos/arithmetic_model.py): whole-word tool tokens for the character
 vocabulary, warm-start examples that call the calculator, and a plain-torch greedy rollout that runs the tool.
 
 The warm start teaches `a*b=` -> `<tool_call>calculator:a*b</tool_call>` `<tool_response>P</tool_response>` `P<eos>`

@@ -15,10 +15,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def launch_train(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """`python -m cluster.cli train ARGS` from the repository, in a new session, its output written to `log`.
+    """`python -m cli.main train ARGS` from the repository, in a new session, its output written to `log`.
     `env` adds to this process's environment."""
     env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    return subprocess.Popen([sys.executable, "-m", "cluster.cli", "train", *args], cwd=REPO, env=env,
+    return subprocess.Popen([sys.executable, "-m", "cli.main", "train", *args], cwd=REPO, env=env,
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 

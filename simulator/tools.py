@@ -1,6 +1,6 @@
 """The simulator's tool model (multi-turn samples): how many tool calls a sample makes, where they fall in its
 response, how long each tool runs and how many output tokens it appends. `SimulatorConfig.tools` holds a
-`ToolScenario`; cluster/simulator.py plays each sample's `SamplePlan` on its engine: at a tool call the sample
+`ToolScenario`; simulator/simulation.py plays each sample's `SamplePlan` on its engine: at a tool call the sample
 gives up its engine slot while the tool runs, then comes back as a new request on its prefix (as
 actors/decode_loop.py continues it). Tool tokens count in the response length but are never decoded.
 """

@@ -1,6 +1,6 @@
 """The simulator's scenario: its config (engines, batch, staleness, the workload's length and timing models),
 the stand-in workload (response lengths, per-prompt success rates, generation and training capacities) and the
-result of a run. cluster/simulator.py runs it against the real controller and the workers' own policy.
+result of a run. simulator/simulation.py runs it against the real controller and the workers' own policy.
 """
 
 import functools
@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from cluster.sim_tools import ToolScenario, mean_lengths
+from simulator.tools import ToolScenario, mean_lengths
 
 
 class SimulatorConfig(BaseModel):
@@ -91,7 +91,7 @@ class SimulatorConfig(BaseModel):
 
     length_aware: bool = False
     """rollout.length_aware_dispatch: each worker keeps its granted groups and hands its engine the one expected
-    longest, whole, whenever the engine's queue is empty (cluster/sim_dispatch.py); the expectation is the
+    longest, whole, whenever the engine's queue is empty (simulator/dispatch.py); the expectation is the
     controller's `LengthHistory` (actors/length_history.py). False: every group's requests join the engine's
     first-come-first-served queue at once."""
 
@@ -119,7 +119,7 @@ class SimulatorConfig(BaseModel):
     """rollout.poll_interval_s: longest a scored group waits at its worker for others to share a call."""
 
     tools: ToolScenario | None = None
-    """Multi-turn samples with tool calls (cluster/sim_tools.py); None: single-turn, as before."""
+    """Multi-turn samples with tool calls (simulator/tools.py); None: single-turn, as before."""
 
     @model_validator(mode="after")
     def _check(self) -> "SimulatorConfig":
