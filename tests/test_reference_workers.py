@@ -160,7 +160,7 @@ def test_grpo_run_trains_on_streamed_ref_logprobs_without_a_learner_copy(ray_clu
 
     import ray
 
-    from cluster.cli import main as cli_main
+    from cli.main import main as cli_main
     from cluster.supervisor import WorkerLost
     from cluster.trainer import Trainer
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from cluster.cli import main
+from cli.main import main
 from cluster.scale_requests import ScaleInbox, request_scale, wait_done
 
 
