@@ -58,8 +58,8 @@ class PicklingRewardWorker:
 
 def model_folder(cfg: RunConfig) -> str:
     """The cached warm-started long-CoT model; refused if it is not built (building it takes about 17 minutes)."""
-    from demos.arithmetic_model import READY_MARKER, default_cache_dir
     from demos.longcot_model import longcot_model_key
+    from demos.model_cache import READY_MARKER, default_cache_dir
 
     folder = default_cache_dir() / longcot_model_key(cfg.model.demo, cfg.data)
     if not (folder / READY_MARKER).is_file():

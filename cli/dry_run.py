@@ -56,8 +56,8 @@ def check_model(cfg: RunConfig) -> tuple[Check, Any, RunConfig]:
     from transformers import AutoTokenizer
 
     if not cfg.model.path and cfg.data.format == "longcot":
-        from demos.arithmetic_model import default_cache_dir
         from demos.longcot_model import build_longcot_tokenizer, longcot_model_key
+        from demos.model_cache import default_cache_dir
 
         folder = default_cache_dir() / longcot_model_key(cfg.model.demo, cfg.data)
         if (folder / "config.json").is_file():
@@ -70,7 +70,8 @@ def check_model(cfg: RunConfig) -> tuple[Check, Any, RunConfig]:
         return Check("model", "ok", f"built-in long-CoT demo model (context {cfg.model.demo.max_position_embeddings} "
                                     f"tokens), {where}"), tokenizer, cfg
     if not cfg.model.path:
-        from demos.arithmetic_model import build_tokenizer, default_cache_dir, demo_model_key, uses_tool_vocabulary
+        from demos.arithmetic_model import build_tokenizer, demo_model_key, uses_tool_vocabulary
+        from demos.model_cache import default_cache_dir
 
         folder = default_cache_dir() / demo_model_key(cfg.model.demo, cfg.data, cfg.tools)
         note = ""

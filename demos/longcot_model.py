@@ -8,17 +8,17 @@ and refuses to hand over a model that never reached it.
 
 import hashlib
 import json
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from demos.arithmetic_model import BOS, EOS, PAD, build_cached, default_cache_dir, greedy_responses_hf
+from demos.arithmetic_model import BOS, EOS, PAD
+from demos.model_cache import build_cached, default_cache_dir
+from demos.warm_start import greedy_responses_hf, supervised_warm_start
 from protocols.data import DataConfig
 from protocols.model import DemoModelConfig
 from protocols.trajectory import Prompt
@@ -161,8 +161,9 @@ def warm_start_longcot(
     """Supervised training on the written-out solutions (loss on the working, the answer and EOS); saves in place.
 
     Stops once greedy accuracy on `num_check_problems` problems it never trained on reaches
-    `demo.warm_start_target_accuracy` in two checks in a row, as the addition demo's warm start does; raises
-    WarmStartFailed when `demo.warm_start_steps` end below it.
+    `demo.warm_start_target_accuracy` in two checks in a row, as the addition demo's warm start does (the loop is
+    demos/warm_start.py's); raises WarmStartFailed when `demo.warm_start_steps` end below it. A step's rows are cut
+    into micro-batches of similar length (`micro_batches`) and its gradient norm clipped to 1.
     """
     folder = str(folder)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
@@ -171,71 +172,37 @@ def warm_start_longcot(
                              max_b=data.longcot_max_b, seed=0)
     rows = solution_rows(pairs, tokenizer)
     checks = check_prompts(data, tokenizer, num_check_problems)
-    generator = torch.Generator().manual_seed(demo.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=demo.warm_start_lr, weight_decay=0.0)
-    start = time.perf_counter()
-    losses: list[float] = []
-    check: dict[str, float] = {"accuracy": float("nan")}
-    checks_at_target = 0
+
+    def step_micro_batches(picked: list[int], generator: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return list(micro_batches([rows[i] for i in picked], max_tokens_per_micro_batch, tokenizer.pad_token_id))
+
+    def check(model: Qwen2ForCausalLM) -> tuple[bool, dict[str, float]]:
+        figures = accuracy_by_difficulty(checks, greedy_responses_by_length(model, tokenizer, checks))
+        return figures["accuracy"] >= demo.warm_start_target_accuracy, figures
+
     steps = demo.warm_start_steps
-    train_cpu = 0.0  # process CPU seconds of the training steps alone: wall time is noisy on a shared machine
-    # Minutes of work before the first RL step of a fresh clone: show it (it stops early, at the target).
-    bar = tqdm(total=steps, desc="long-CoT warm start", dynamic_ncols=True, disable=not progress)
-    for step in range(1, steps + 1):
-        cpu_start = time.process_time()
-        model.train()
-        idx = torch.randint(0, len(rows), (demo.warm_start_batch,), generator=generator).tolist()
-        batch_rows = [rows[i] for i in idx]
-        targets_total = sum(len(ids) - start_ for ids, start_ in batch_rows)
-        optimizer.zero_grad(set_to_none=True)
-        loss_sum = 0.0
-        for input_ids, loss_mask in micro_batches(batch_rows, max_tokens_per_micro_batch, tokenizer.pad_token_id):
-            logits = model(input_ids=input_ids[:, :-1]).logits
-            token_loss = torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1), reduction="none")
-            # Token mean over the whole batch: every micro-batch divides by the batch's target count.
-            loss = (token_loss * loss_mask[:, 1:].reshape(-1).float()).sum() / targets_total
-            loss.backward()
-            loss_sum += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        losses.append(loss_sum)
-        train_cpu += time.process_time() - cpu_start
-        bar.update(1)
-        if step % check_every == 0 or step == steps:
-            model.eval()
-            responses = greedy_responses_by_length(model, tokenizer, checks)
-            check = accuracy_by_difficulty(checks, responses)
-            if log is not None:
-                log(f"warm start step {step}: loss {loss_sum:.4f}, check accuracy {check['accuracy']:.3f} "
-                    f"(easy {check['accuracy_easy']:.3f}, long {check['accuracy_long']:.3f}), "
-                    f"{time.perf_counter() - start:.0f} s, {train_cpu / step:.2f} CPU s per training step")
-            checks_at_target = checks_at_target + 1 if check["accuracy"] >= demo.warm_start_target_accuracy else 0
-            bar.set_postfix(loss=f"{loss_sum:.3f}", check=f"{check['accuracy']:.2f}",
-                            target=demo.warm_start_target_accuracy)
-            if checks_at_target == 2:
-                break
-    bar.close()
-    seconds = time.perf_counter() - start
-    if check["accuracy"] < demo.warm_start_target_accuracy:
+    # Minutes of work before the first RL step of a fresh clone: `progress` shows it (it stops early, at the target).
+    result = supervised_warm_start(
+        model, len(rows), step_micro_batches, steps=steps, lr=demo.warm_start_lr, batch_size=demo.warm_start_batch,
+        seed=demo.seed, check=check, check_every=check_every, max_grad_norm=1.0, name="long-CoT warm start", log=log,
+        progress=progress,
+    )
+    accuracy = result.check.get("accuracy", float("nan"))
+    if accuracy < demo.warm_start_target_accuracy:
         raise WarmStartFailed(
-            f"the long-CoT warm start ended at {check['accuracy']:.1%} greedy accuracy on {len(checks)} check "
-            f"problems after model.demo.warm_start_steps={steps} steps ({seconds:.0f} s), below "
+            f"the long-CoT warm start ended at {accuracy:.1%} greedy accuracy on {len(checks)} check "
+            f"problems after model.demo.warm_start_steps={steps} steps ({result.seconds:.0f} s), below "
             f"model.demo.warm_start_target_accuracy={demo.warm_start_target_accuracy}: RL from there would start "
             f"from a model that cannot write the working. Raise model.demo.warm_start_steps, lower the target, or "
             f"change model.demo.warm_start_lr={demo.warm_start_lr} (nothing was cached)."
         )
-    model.eval()
     model.save_pretrained(folder)
     return {
-        "warm_start/steps": float(len(losses)),
-        "warm_start/check_greedy_accuracy": check["accuracy"],
-        "warm_start/check_greedy_accuracy_easy": check["accuracy_easy"],
-        "warm_start/check_greedy_accuracy_long": check["accuracy_long"],
-        "warm_start/loss_first": losses[0] if losses else float("nan"),
-        "warm_start/loss_last": sum(losses[-20:]) / len(losses[-20:]) if losses else float("nan"),
-        "warm_start/seconds": seconds,
-        "warm_start/cpu_seconds_per_step": train_cpu / max(1, len(losses)),
+        **result.stats(),
+        "warm_start/check_greedy_accuracy": accuracy,
+        "warm_start/check_greedy_accuracy_easy": result.check.get("accuracy_easy", float("nan")),
+        "warm_start/check_greedy_accuracy_long": result.check.get("accuracy_long", float("nan")),
+        "warm_start/cpu_seconds_per_step": result.cpu_seconds_per_step,
     }
 
 

@@ -8,17 +8,9 @@ from pydantic import ValidationError
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from demos.arithmetic_model import (
-    READY_MARKER,
-    build_cached,
-    build_random_model,
-    build_tokenizer,
-    default_cache_dir,
-    greedy_accuracy_hf,
-    greedy_responses_hf,
-    prepare_demo_model,
-    warm_start,
-)
+from demos.arithmetic_model import build_random_model, build_tokenizer, prepare_demo_model, warm_start
+from demos.model_cache import READY_MARKER, build_cached, default_cache_dir
+from demos.warm_start import greedy_accuracy_hf, greedy_responses_hf
 from protocols.data import DataConfig
 from protocols.model import DemoModelConfig, ModelConfig
 from protocols.trajectory import Prompt, VerifierResult
