@@ -176,10 +176,10 @@ def test_grpo_run_trains_on_streamed_ref_logprobs_without_a_learner_copy(ray_clu
     resized: dict = {}
 
     def step_then_resize(groups):  # records what the learner trains on; resizes the pools between steps
-        if trainer.version in (2, 3):  # the run loop applied the scale request made after the step before
+        if trainer.version in resized:  # the run loop applied the scale request made after the step before
             done = json.loads((tmp_path / "control" / "scale_done.json").read_text())
-            resized[trainer.version - 1].update({
-                "seconds": (resized[trainer.version - 1]["reward_s"], done["seconds"]), "done": done,
+            resized[trainer.version].update({
+                "seconds": (resized[trainer.version]["reward_s"], done["seconds"]), "done": done,
                 "ids": list(trainer.supervisor.rollout_ids),
                 "controller": ray.get(trainer.controller.__ray_call__.remote(
                     lambda c: (list(c.reward_workers), c.num_workers, sorted(c.lost_workers),
