@@ -2,7 +2,7 @@
 VENV ?= .venv
 ARGS ?=
 
-.PHONY: install train train-longcot train-tools train-tools-no-tools test bench
+.PHONY: install train train-longcot train-tools train-tools-no-tools train-distill test bench
 
 install:
 	VENV=$(VENV) bash deploy/install.sh
@@ -20,6 +20,11 @@ train-tools: install
 
 train-tools-no-tools: install
 	$(VENV)/bin/relayrl train --config deploy/configs/demo_tools_no_tools.yaml $(ARGS)
+
+# On-policy distillation (docs/distillation.md): a larger teacher, then RL, distillation and the mix from the same
+# student on the addition demo, one job after the other; writes runs/distill/{table.md,results.json,distillation.png}.
+train-distill: install
+	$(VENV)/bin/python benchmarks/distillation.py --out runs/distill $(ARGS)
 
 # Pure tests run first (tests/conftest.py orders them), and the 20 slowest are listed at the end of every run
 # so that a test that grows shows. TEST_WORKERS=2 shares the tests between two pytest-xdist processes (a module

@@ -27,8 +27,8 @@ from actors.length_history import LengthHistory
 from actors.prompt_cursor import PromptCursor
 from actors.replay_queue import ReplayQueue
 from actors.scoring_lists import ScoringLists
-from actors.stream_join import ReferenceFailed, resolve_all, sort_results
-from protocols.trajectory import Prompt, TrajectoryGroup
+from actors.stream_join import ScorerFailed, resolve_all, sort_results
+from protocols.trajectory import TOKEN_SCORERS, Prompt, TrajectoryGroup
 from protocols.weight_announcement import WeightAnnouncement
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,8 @@ class RolloutController(LeaseBook, ScoringLists):
         self.clock = clock
         self.calls: Counter[str] = Counter()
         self.rescored = 0
-        self.rescored_reference = 0
+        self.rescored_scorer: Counter[str] = Counter({role: 0 for role in TOKEN_SCORERS})
+        """Groups sent again after their worker of a token-scoring role (reference, teacher) died, by role."""
         self.rescored_critic = 0
         # starved worker -> (its version, groups it still wants), oldest first; and those whose watch should return
         self._waiting: dict[int, tuple[int, int]] = {}
@@ -266,7 +267,7 @@ class RolloutController(LeaseBook, ScoringLists):
             "queue/reissue_pending": len(self.reissue),
             "queue/late_after_release": self.late_after_release,
             "queue/rescored_reward_worker_died": self.rescored,
-            "queue/rescored_reference_worker_died": self.rescored_reference,
+            **{f"queue/rescored_{role}_worker_died": n for role, n in self.rescored_scorer.items()},
             "queue/rescored_critic_failed": self.rescored_critic,
             "data/epoch": self.cursor.epoch,
         }
@@ -349,38 +350,41 @@ class ControllerActor(RolloutController):
             await self._changed.wait()
         return news
 
-    def _reference_failed(self, group_id: str, err: ReferenceFailed) -> None:
+    def _scorer_failed(self, group_id: str, err: ScorerFailed) -> None:
         """Stop the run with an error that names the worker and the settings: its forward raised (a dead reference
-        worker is replaced instead, cluster/supervisor.py), and the same forward would raise again, so dropping
-        every later group would stall the run without a word."""
+        or teacher worker is replaced instead, cluster/supervisor.py), and the same forward would raise again, so
+        dropping every later group would stall the run without a word."""
         if not self.fatal_error:
-            log.error("reference worker failed on group %s: %s", group_id, err)
+            role = err.role
+            log.error("%s worker failed on group %s: %s", role, group_id, err)
+            off = ("set reference.num_workers=0 to score the reference inside the learner" if role == "reference"
+                   else f"set {role}.num_workers=0 and algorithm.distillation.weight=0 to train without it")
             self.fatal_error = (
-                f"{err} (group {group_id}). A reference worker that raises is not retried, so the run stops. If it ran "
-                "out of memory, lower learner.micro_batch_size or learner.max_tokens_per_micro_batch (reference "
-                "workers score in the learner's micro-batches) or raise reference.gpus; or set "
-                "reference.num_workers=0 to score the reference inside the learner")
+                f"{err} (group {group_id}). A {role} worker that raises is not retried, so the run stops. If it ran "
+                f"out of memory, lower {role}.max_tokens_per_micro_batch (0 scores in the learner's micro-batches: "
+                f"learner.micro_batch_size or learner.max_tokens_per_micro_batch) or raise {role}.gpus; or {off}")
             self.stop()  # the workers stop generating groups that would only be dropped
         self._queue_grew()  # wake the driver's wait_batch, which raises it
 
     async def sync(self, request: SyncRequest) -> SyncReply:
         refs = [(g, item) for g, item in request.scored if not isinstance(item, TrajectoryGroup)]
-        died, ref_died, critic_died = [], [], []
+        died, scorer_died, critic_died = [], {}, []
         if refs:
             results = await resolve_all([item for _, item in refs])
             joined = sort_results([g for g, _ in refs], results, self.critic_actor_ids)
-            for group_id, err in joined.reference_failures:
-                self._reference_failed(group_id, err)
+            for group_id, err in joined.scorer_failures:
+                self._scorer_failed(group_id, err)
             scored = [(g, item) for g, item in request.scored if isinstance(item, TrajectoryGroup)]
             scored += joined.scored
             failed, died = joined.failed, joined.died
-            ref_died, critic_died = joined.reference_died, joined.critic_died
+            scorer_died, critic_died = joined.scorer_died, joined.critic_died
             if request.final:  # the worker stopped: nothing can be sent again
-                for reason, group_ids in (("reward_worker_died", died), ("reference_worker_died", ref_died),
-                                          ("critic_failed", critic_died)):
+                lost = [("reward_worker_died", died), ("critic_failed", critic_died),
+                        *((f"{role}_worker_died", ids) for role, ids in scorer_died.items())]
+                for reason, group_ids in lost:
                     if group_ids:
                         failed.setdefault(reason, []).extend(group_ids)
-                died, ref_died, critic_died = [], [], []
+                died, scorer_died, critic_died = [], {}, []
             dropped = dict(request.dropped)
             for reason, group_ids in failed.items():
                 dropped[reason] = [*dropped.get(reason, []), *group_ids]
@@ -389,9 +393,9 @@ class ControllerActor(RolloutController):
         if died:
             self.rescored += len(died)
             reply.rescore = died
-        if ref_died:
-            self.rescored_reference += len(ref_died)
-            reply.rescore_reference = ref_died
+        for role, group_ids in scorer_died.items():
+            self.rescored_scorer[role] += len(group_ids)
+        reply.rescore_model = scorer_died
         if critic_died:
             self.rescored_critic += len(critic_died)
             reply.rescore_critic = critic_died

@@ -35,7 +35,8 @@ class SyncRequest:
     final: bool = False
     """The worker's last call (it stopped): scoring that failed cannot be retried, so it is dropped."""
     model_generation: int = 0
-    """The generation of the reference and critic worker lists the worker sends to (see `model_workers`)."""
+    """The generation of the token-scoring (reference, teacher) and critic worker lists the worker sends to (see
+    `model_workers`)."""
 
 
 @dataclass
@@ -58,15 +59,16 @@ class SyncReply:
     stay with the worker)."""
     reward_workers: tuple[int, list] | None = None
     """(generation, the live reward worker handles) when newer than the request's generation."""
-    rescore_reference: list[str] = field(default_factory=list)
-    """Groups of this call whose reference worker died before scoring them: send them again (reward and
-    reference), to a live reference worker."""
+    rescore_model: dict[str, list[str]] = field(default_factory=dict)
+    """Token-scoring role (reference, teacher) -> groups of this call whose worker of that role died before
+    scoring them: send them again (every stage), to a live worker of the role."""
     rescore_critic: list[str] = field(default_factory=list)
     """Groups of this call whose critic worker died before stamping them: send them again once the restarted
     critic group's handles arrive (`model_workers`)."""
     model_workers: tuple[int, dict[str, list]] | None = None
-    """(generation, {"reference": handles, "critic": handles}) after the driver replaced a reference worker or
-    restarted the critic group, when newer than the request's generation (cluster/supervisor.py)."""
+    """(generation, {"reference": handles, "teacher": handles, "critic": handles}) after the driver replaced a
+    token-scoring worker or restarted the critic group, when newer than the request's generation
+    (cluster/supervisor.py)."""
 
 
 @dataclass

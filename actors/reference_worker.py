@@ -30,6 +30,10 @@ forwards, and seconds spent scoring."""
 
 
 class ReferenceWorker:
+    role = "reference"
+    """The config section and the name in errors; a teacher worker (actors/teacher_worker.py) is this class with
+    its own model and budget."""
+
     def __init__(self, cfg: RunConfig, worker_index: int, model_path: str) -> None:
         with frozen_after_imports():
             from transformers import AutoModelForCausalLM
@@ -45,21 +49,22 @@ class ReferenceWorker:
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=attn,
                                                          trust_remote_code=cfg.model.trust_remote_code)
         except (OSError, ValueError) as err:
-            raise RuntimeError(f"reference worker {worker_index} could not load model.path={model_path!r}: {err}") \
+            setting = "model.path" if self.role == "reference" else f"{self.role}.path"
+            raise RuntimeError(f"{self.role} worker {worker_index} could not load {setting}={model_path!r}: {err}") \
                 from err
         self.model = model.eval().requires_grad_(False).to(self.device)
         self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
         self.totals = dict.fromkeys(COUNTERS, 0.0)
         self.since = dict.fromkeys(COUNTERS, 0.0)
         """The same counts since the last `counters()` call (the driver's per-step log)."""
-        budget = cfg.reference.max_tokens_per_micro_batch
+        budget = getattr(cfg, self.role).max_tokens_per_micro_batch
         self.scoring_cfg = cfg if budget == 0 else cfg.model_copy(
             update={"learner": cfg.learner.model_copy(update={"max_tokens_per_micro_batch": budget})})
-        """The run's config with the reference's own forward budget in the learner's place: score_shard plans
+        """The run's config with the role's own forward budget in the learner's place: score_shard plans
         micro-batches from learner.*."""
 
     def score_batch(self, batch: TrainingBatch) -> list[list[float]]:
-        """Reference log-probs of each response token the engine sampled (0 on others), per sample."""
+        """The frozen model's log-probs of each response token the engine sampled (0 on others), per sample."""
         start = time.perf_counter()
         lcfg = self.scoring_cfg.learner
         plan = plan_one_shard(batch, MicroBatching.of_policy(self.scoring_cfg))
@@ -75,8 +80,8 @@ class ReferenceWorker:
             self.since[name] += amount
 
     def score_group(self, group: TrajectoryGroup) -> list[list[float]]:
-        """Reference log-probs of every trajectory of `group`, in order (TrajectoryGroup.with_ref_logprobs
-        attaches them). Returns lists, not the group: only the new numbers travel back."""
+        """The frozen model's log-probs of every trajectory of `group`, in order (TrajectoryGroup
+        .with_token_scores attaches them). Returns lists, not the group: only the new numbers travel back."""
         self._count(groups=1)
         return self.score_batch(TrainingBatch.from_trajectories(group.trajectories))
 

@@ -52,7 +52,7 @@ def cpu_step_budget(cfg: RunConfig, max_len: int, on_gpu: bool) -> dict:
 class RolloutWorker:
     def __init__(self, cfg: RunConfig, worker_id: int, model_path: str, controller=None,
                  reward_workers: list | None = None, critic_workers: list | None = None,
-                 reference_workers: list | None = None) -> None:
+                 scorers: dict[str, list] | None = None) -> None:
         configure_vllm_env(cfg)
         with frozen_after_imports():
             from vllm import LLM
@@ -109,8 +109,10 @@ class RolloutWorker:
                                    on_request_end=self.agent or finish_every_request,
                                    max_num_seqs=cfg.rollout.max_num_seqs if cfg.rollout.length_aware_dispatch else None)
         """The groups in the engine; with tools, a sample continues after each tool call (`self.agent`)."""
-        self.router = ScoreRouter(reward_workers or [], reference_workers or [], critic_workers or [],
+        self.router = ScoreRouter(reward_workers or [], scorers or {}, critic_workers or [],
                                   cfg.fault.max_rescore_attempts, cfg.fault.batch_timeout_s)
+        """Where each finished group goes to be scored: a reward worker, one worker of every token-scoring role
+        (`scorers`: reference, teacher) beside it, and a critic worker after it."""
         self.sync_seconds = 0.0
         self.receiver = weight_backend(cfg).receiver(cfg)
         """The configured transport's receiver (weights/backends.py); a group-forming one is joined later."""
@@ -210,7 +212,7 @@ class RolloutWorker:
                 self._check_watch()
             self._collect_scored()
             now = time.monotonic()
-            # groups waiting for a live reward, reference or critic worker: ask every fault.health_check_s for the
+            # groups waiting for a live reward, token-scoring or critic worker: ask every fault.health_check_s for the
             # new lists (a worker starved of budget would otherwise never call, and its groups would wait forever)
             if policy.sync_due(now, len(decoding.active)) or (
                     router.unsent and now - self._last_sync >= cfg.fault.health_check_s):
@@ -239,7 +241,7 @@ class RolloutWorker:
         if self.probing is not None:
             self.probing.finish()  # only the probe is left in the engine: score it, for this report
         self._collect_scored(block=True)
-        # groups still waiting for a live reward, reference or critic worker, or whose scoring did not end in time,
+        # groups still waiting for a live reward, token-scoring or critic worker, or whose scoring did not end in time,
         # are dropped
         for reason, group_ids in router.give_up().items():
             policy.on_dropped(reason, group_ids)

@@ -1,22 +1,24 @@
-"""The live reward, reference and critic worker lists, with their generations, as the controller hands them out.
+"""The live reward, token-scoring (reference, teacher) and critic worker lists, with their generations, as the
+controller hands them out.
 
 The controller (actors/controller.py) mixes this in. The driver (cluster/supervisor.py) sets a new list after it
-replaced a dead reward or reference worker or restarted the critic group; each set bumps a generation, and a
-rollout worker whose `sync` request names an older generation gets the live list back in the reply
-(its actors/score_router.py then sends its waiting groups to it).
+replaced a dead reward, reference or teacher worker or restarted the critic group; each set bumps a generation,
+and a rollout worker whose `sync` request names an older generation gets the live list back in the reply (its
+actors/score_router.py then sends its waiting groups to it).
 """
 
 from actors.controller_messages import SyncReply, SyncRequest
 
 
 class ScoringLists:
-    """Reward workers under one generation; reference and critic workers under another."""
+    """Reward workers under one generation; reference, teacher and critic workers under another."""
 
     def __init__(self) -> None:
         self.reward_workers: list = []
         self.reward_generation = 0
         self.model_workers: dict[str, list] = {}
-        """Live reference and critic worker lists, set by the driver after it replaced one (see set_model_workers)."""
+        """Live reference, teacher and critic worker lists, set by the driver after it replaced one (see
+        set_model_workers)."""
         self.model_generation = 0
         self.critic_actor_ids: set[str] = set()
         """Critic workers (PPO) chained after the reward workers: a group that met a dead one is handed back to be
@@ -35,8 +37,8 @@ class ScoringLists:
         return self.reward_generation
 
     def set_model_workers(self, role: str, workers: list) -> int:
-        """The live list of `role` ("reference" or "critic") after a replacement or a critic restart; every
-        rollout worker gets it with its next `sync` reply. Returns the new generation."""
+        """The live list of `role` ("reference", "teacher" or "critic") after a replacement or a critic restart;
+        every rollout worker gets it with its next `sync` reply. Returns the new generation."""
         self.calls["set_model_workers"] += 1
         self.model_workers[role] = list(workers)
         self.model_generation += 1

@@ -1,9 +1,10 @@
 """Joining the scoring tasks of the groups a rollout worker hands the controller.
 
 A rollout worker passes each scored group to the controller as the reward (or critic) task's ObjectRef, or,
-when reference workers run, as a StreamedGroup of that ref and the reference task's ref. The controller
-(actors/controller.py) awaits them here and sorts each outcome: a scored group, a reference failure (the run
-stops), a critic's death, a reward worker's death (the group is worth re-scoring elsewhere), or another failure.
+when token-scoring workers run (reference, teacher), as a StreamedGroup of that ref and each role's task ref. The
+controller (actors/controller.py) awaits them here and sorts each outcome: a scored group, a token scorer's
+failure (the run stops) or death (re-scored), a critic's death, a reward worker's death (the group is worth
+re-scoring elsewhere), or another failure.
 """
 
 import asyncio
@@ -18,22 +19,24 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class StreamedGroup:
-    """A group on its way to the queue when reference workers run: the reward task and the reference task were
-    started together on the same group (actors/reference_worker.py), and the controller joins them."""
+    """A group on its way to the queue when token-scoring workers run: the reward task and one task per role
+    (reference, teacher) were started together on the same group, and the controller joins them."""
 
     scored: Any
     """ObjectRef of the reward worker's scored TrajectoryGroup."""
-    ref_logprobs: Any
-    """ObjectRef of the reference worker's log-probs (one list per trajectory)."""
-    reference_worker: int = 0
-    """Index of the reference worker that scores it, for the error when it fails."""
+    token_scores: dict[str, tuple[Any, int]] = field(default_factory=dict)
+    """Role -> (ObjectRef of that worker's log-probs, one list per trajectory; the worker's index, for errors)."""
+
+    def tasks(self) -> list[Any]:
+        return [task for task, _ in self.token_scores.values()]
 
 
-class ReferenceFailed(RuntimeError):
-    """A reference worker's task for a group failed (the worker died, ran out of memory, or raised)."""
+class ScorerFailed(RuntimeError):
+    """A token-scoring worker's task for a group failed (the worker died, ran out of memory, or raised)."""
 
-    def __init__(self, worker: int, cause: BaseException) -> None:
-        super().__init__(f"reference worker {worker}: {type(cause).__name__}: {cause}")
+    def __init__(self, role: str, worker: int, cause: BaseException) -> None:
+        super().__init__(f"{role} worker {worker}: {type(cause).__name__}: {cause}")
+        self.role = role
         self.worker = worker
         self.cause = cause
 
@@ -44,15 +47,16 @@ class JoinedGroups:
 
     scored: list[tuple[str, TrajectoryGroup]] = field(default_factory=list)
     failed: dict[str, list[str]] = field(default_factory=dict)
-    """Reason -> group ids dropped: `reference_failed`, `critic_failed` or `reward_failed`."""
+    """Reason -> group ids dropped: `<role>_failed` (reference, teacher), `critic_failed` or `reward_failed`."""
     died: list[str] = field(default_factory=list)
     """Groups whose reward worker died before scoring them: worth sending to a live one."""
-    reference_died: list[str] = field(default_factory=list)
-    """Groups whose reference worker died before scoring them: sent again once the driver replaced it."""
+    scorer_died: dict[str, list[str]] = field(default_factory=dict)
+    """Role -> groups whose worker of that token-scoring role died before scoring them: sent again once the driver
+    replaced it."""
     critic_died: list[str] = field(default_factory=list)
     """Groups whose critic worker died before stamping them: sent again once the critic group restarted."""
-    reference_failures: list[tuple[str, ReferenceFailed]] = field(default_factory=list)
-    """(group id, error) of each reference failure, for the controller to stop the run by name."""
+    scorer_failures: list[tuple[str, ScorerFailed]] = field(default_factory=list)
+    """(group id, error) of each token scorer's failure, for the controller to stop the run by name."""
 
 
 async def resolve_all(items: list[Any]) -> list[TrajectoryGroup | BaseException]:
@@ -62,18 +66,18 @@ async def resolve_all(items: list[Any]) -> list[TrajectoryGroup | BaseException]
 
 def sort_results(group_ids: list[str], results: list[TrajectoryGroup | BaseException],
                  critic_actor_ids: set[str]) -> JoinedGroups:
-    """Sort `resolve_all`'s results. A dead reward, reference or critic worker's group is worth sending again
+    """Sort `resolve_all`'s results. A dead reward, token-scoring or critic worker's group is worth sending again
     (each role is replaced by the driver, cluster/supervisor.py); a critic's death is never taken for a reward
-    worker's. A reference forward that raised, or any other failure, drops the group."""
+    worker's. A token scorer's forward that raised, or any other failure, drops the group."""
     joined = JoinedGroups()
     for group_id, result in zip(group_ids, results):
         if isinstance(result, TrajectoryGroup):
             joined.scored.append((group_id, result))
-        elif isinstance(result, ReferenceFailed) and actor_died(result.cause):
-            joined.reference_died.append(group_id)
-        elif isinstance(result, ReferenceFailed):
-            joined.reference_failures.append((group_id, result))
-            joined.failed.setdefault("reference_failed", []).append(group_id)
+        elif isinstance(result, ScorerFailed) and actor_died(result.cause):
+            joined.scorer_died.setdefault(result.role, []).append(group_id)
+        elif isinstance(result, ScorerFailed):
+            joined.scorer_failures.append((group_id, result))
+            joined.failed.setdefault(f"{result.role}_failed", []).append(group_id)
         elif actor_died(result) and getattr(result, "actor_id", None) in critic_actor_ids:
             joined.critic_died.append(group_id)
         elif actor_died(result):
@@ -92,13 +96,15 @@ def actor_died(error: BaseException) -> bool:
 
 
 async def _resolve(item: Any) -> TrajectoryGroup:
-    """The scored group an item of SyncRequest.scored stands for, its reference log-probs attached when it is a
-    StreamedGroup. A reward failure raises as it came; a reference failure raises ReferenceFailed."""
+    """The scored group an item of SyncRequest.scored stands for, each token scorer's log-probs attached when it
+    is a StreamedGroup. A reward failure raises as it came; a token scorer's failure raises ScorerFailed."""
     if not isinstance(item, StreamedGroup):
         return await item
     group = await item.scored
-    try:
-        ref_logprobs = await item.ref_logprobs
-    except Exception as err:  # any failure of the task: died, out of memory, an exception in the forward
-        raise ReferenceFailed(item.reference_worker, err) from err
-    return group.with_ref_logprobs(ref_logprobs)
+    for role, (task, worker) in item.token_scores.items():
+        try:
+            rows = await task
+        except Exception as err:  # any failure of the task: died, out of memory, an exception in the forward
+            raise ScorerFailed(role, worker, err) from err
+        group = group.with_token_scores(role, rows)
+    return group

@@ -77,7 +77,7 @@ class WorkerRun:
 
         self.worker, self.expected = worker, len(prompts) * samples_per_prompt
         self.reward = PicklingRewardWorker()
-        self.router = ScoreRouter([self.reward], [], [], worker.cfg.fault.max_rescore_attempts,
+        self.router = ScoreRouter([self.reward], {}, [], worker.cfg.fault.max_rescore_attempts,
                                   worker.cfg.fault.batch_timeout_s)
         self.stats = {"generate_s": 0.0, "tokens": 0, "groups": 0, "steps": 0}
         self.lengths: dict[tuple[str, int], int] = {}

@@ -9,9 +9,7 @@ time to stamp values on groups in the stream. `check_critic_model` refuses a cri
 vocabulary differs from the policy's, before any actor starts.
 """
 
-import json
 import logging
-from pathlib import Path
 
 import ray
 
@@ -20,6 +18,7 @@ import torch
 from actors.critic_worker import CriticWorker
 from cluster import checkpoint
 from cluster.learner_failure import LearnerRankLost, dead_ranks
+from cluster.model_folder import check_same_vocabulary
 from cluster.rank_group import RankGroup
 from cluster.placement import Placement
 from learner.batch_plan import MicroBatching, merge_rows, plan_batch
@@ -40,42 +39,12 @@ def critic_model_path(cfg: RunConfig, policy_path: str) -> str:
 
 
 def check_critic_model(policy_path: str, critic_path: str, trust_remote_code: bool = False) -> None:
-    """Raise ValueError naming both folders when the critic's folder is not a Hugging Face model or its
-    tokenizer (token -> id map, special tokens) or vocabulary size differs from the policy's: the critic reads
-    the policy's token ids, so any difference would silently score other tokens."""
-    if Path(critic_path).resolve() == Path(policy_path).resolve():
-        return
-    if not (Path(critic_path) / "config.json").is_file():
-        raise ValueError(f"critic.model_path={critic_path!r} is not a Hugging Face model folder (no config.json "
-                         f"there); give a folder with config.json, weights and the policy's tokenizer, or leave it "
-                         f"empty to start the critic from the policy ({policy_path!r})")
-    from transformers import AutoTokenizer
-
-    vocab = {}
-    for path in (policy_path, critic_path):
-        size = json.loads((Path(path) / "config.json").read_text()).get("vocab_size")
-        try:
-            tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        except (OSError, ValueError) as err:
-            raise ValueError(f"critic.model_path={critic_path!r}: no tokenizer could be loaded from {path!r} ({err}); "
-                             f"the critic folder needs the policy's tokenizer (model at {policy_path!r})") from None
-        specials = {k: getattr(tok, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-        vocab[path] = (size, tok.get_vocab(), specials)
-    (p_size, p_vocab, p_special), (c_size, c_vocab, c_special) = vocab[policy_path], vocab[critic_path]
-    problems = []
-    if p_size != c_size:
-        problems.append(f"vocab_size {c_size} in the critic's config.json against {p_size} in the policy's")
-    if p_vocab != c_vocab:
-        differ = sorted(set(p_vocab.items()) ^ set(c_vocab.items()))[:3]
-        problems.append(f"tokenizers map tokens to different ids ({len(c_vocab)} tokens against {len(p_vocab)}; "
-                        f"for example {differ})")
-    if p_special != c_special:
-        problems.append(f"special token ids {c_special} against the policy's {p_special}")
-    if problems:
-        raise ValueError(
-            f"critic.model_path={critic_path!r} does not share the policy's vocabulary (policy model: "
-            f"{policy_path!r}): " + "; ".join(problems) + ". The critic reads the policy's token ids: give a critic "
-            "folder built on the same tokenizer, or leave critic.model_path empty to start from the policy")
+    """Raise ValueError naming both folders when the critic's folder is not a Hugging Face model or does not
+    share the policy's vocabulary (cluster/model_folder.py check_same_vocabulary): the critic reads the policy's
+    token ids, so any difference would silently score other tokens."""
+    check_same_vocabulary("critic.model_path", "critic", policy_path, critic_path, trust_remote_code,
+                          fix="give a critic folder built on the same tokenizer, or leave critic.model_path empty to "
+                              "start from the policy")
 
 
 def critic_options(cfg: RunConfig, placement: Placement | None, index: int) -> dict:

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 from protocols.config import RunConfig
 
-ROLES = ("rollout", "learner", "reward", "critic", "reference")
-"""Every actor group with a placement of its own; `critic` only when critic.num_workers > 0, `reference` only
-when reference.num_workers > 0."""
+ROLES = ("rollout", "learner", "reward", "critic", "reference", "teacher")
+"""Every actor group with a placement of its own; `critic`, `reference` and `teacher` only when their
+num_workers > 0."""
 STRATEGY = "PACK"
 """Every role's group packs its bundles on as few nodes as possible (Ray's PACK, best effort): learner ranks on
 one node talk over NVLink rather than the network. Each engine is one bundle, so its GPUs share a node."""
@@ -115,14 +115,13 @@ def plan_placement(cfg: RunConfig, roles: tuple[str, ...] = ROLES) -> PlacementP
                              "critic.resources", cfg.critic.resources, gpus=1.0 if on_gpus else 0.0,
                              gpu_count=f"critic.num_workers={cfg.critic.num_workers}", gpu_shape="one critic rank"),
     }
-    ref = cfg.reference
-    if ref.num_workers:  # one bundle per worker, each a whole copy of the reference model (plain data parallel)
-        plans["reference"] = _role_plan("reference", "reference.num_workers", ref.num_workers, "reference.cpus",
-                                        ref.cpus, "reference.resources", ref.resources,
-                                        gpus=ref.gpus if on_gpus else 0.0,
-                                        gpu_count=f"reference.num_workers={ref.num_workers} x reference.gpus="
-                                                  f"{_number(ref.gpus)}",
-                                        gpu_shape=f"reference.gpus={_number(ref.gpus)}")
+    for name, frozen in (("reference", cfg.reference), ("teacher", cfg.teacher)):
+        if frozen.num_workers:  # one bundle per worker, each a whole copy of its model (plain data parallel)
+            plans[name] = _role_plan(name, f"{name}.num_workers", frozen.num_workers, f"{name}.cpus", frozen.cpus,
+                                     f"{name}.resources", frozen.resources, gpus=frozen.gpus if on_gpus else 0.0,
+                                     gpu_count=f"{name}.num_workers={frozen.num_workers} x {name}.gpus="
+                                               f"{_number(frozen.gpus)}",
+                                     gpu_shape=f"{name}.gpus={_number(frozen.gpus)}")
     if not cfg.critic.num_workers:
         del plans["critic"]
     return PlacementPlan([plans[r] for r in roles if r in plans])
@@ -131,9 +130,9 @@ def plan_placement(cfg: RunConfig, roles: tuple[str, ...] = ROLES) -> PlacementP
 # --- checking a plan against nodes ----------------------------------------------------------------------------
 _EPS = 1e-9
 _FIX = {"GPU": "lower rollout.num_workers, rollout.tensor_parallel_size, learner.num_ranks, critic.num_workers or "
-               "reference.num_workers (or reference.gpus), or add GPU nodes",
+               "reference.num_workers / teacher.num_workers (or their gpus), or add GPU nodes",
         "CPU": "lower the worker counts or cluster.learner_cpus / rollout_cpus / reward_cpus / critic.cpus / "
-               "reference.cpus, or add nodes "
+               "reference.cpus / teacher.cpus, or add nodes "
                "(locally: raise cluster.num_cpus)"}
 
 

@@ -8,12 +8,14 @@ the reward and reference workers below) added to ROLES, plus its config section 
 
 from actors.reference_worker import ReferenceWorker
 from actors.reward_worker import RewardWorker
+from actors.teacher_worker import TeacherWorker
 from cluster.critic_pool import CriticPool
-from cluster.ray_setup import reference_options, reward_options
+from cluster.model_folder import check_same_vocabulary
+from cluster.ray_setup import reference_options, reward_options, teacher_options
 from cluster.rollout_pool import RolloutPool
 from cluster.worker_pool import PoolContext, ScoringPool, WorkerPool
 from protocols.config import RunConfig
-from protocols.metrics import reference_worker_metrics, reward_worker_metrics
+from protocols.metrics import reference_worker_metrics, reward_worker_metrics, teacher_worker_metrics
 
 
 class RewardPool(ScoringPool):
@@ -43,7 +45,7 @@ class ReferencePool(ScoringPool):
 
     name = "reference"
     actor = ReferenceWorker
-    rollout_arg = "reference_workers"
+    token_scorer = True
     counter_metrics = staticmethod(reference_worker_metrics)
     placement_options = staticmethod(reference_options)
 
@@ -58,7 +60,37 @@ class ReferencePool(ScoringPool):
         return self.ctx.controller.set_model_workers.remote("reference", list(self.workers))
 
 
-ROLES: tuple[type[WorkerPool], ...] = (CriticPool, RewardPool, ReferencePool, RolloutPool)
+class TeacherPool(ScoringPool):
+    """teacher.num_workers > 0: a frozen teacher scores every sampled token on the way to the queue (on-policy
+    distillation, learner/distillation.py). A replacement loads the teacher's folder again."""
+
+    name = "teacher"
+    actor = TeacherWorker
+    token_scorer = True
+    counter_metrics = staticmethod(teacher_worker_metrics)
+    placement_options = staticmethod(teacher_options)
+
+    @classmethod
+    def launch_size(cls, cfg: RunConfig) -> int:
+        return cfg.teacher.num_workers
+
+    @classmethod
+    def precheck(cls, cfg: RunConfig, model_path: str) -> None:
+        """The teacher scores the student's token ids: it must read them as the same tokens."""
+        if cfg.teacher.enabled:
+            check_same_vocabulary("teacher.path", "teacher", model_path, cfg.teacher.path,
+                                  cfg.model.trust_remote_code,
+                                  fix="distill from a teacher built on the student's tokenizer (same token -> id map, "
+                                      "special tokens and vocab_size)")
+
+    def actor_args(self, index: int) -> tuple:
+        return self.cfg, index, self.cfg.teacher.path
+
+    def announce(self):
+        return self.ctx.controller.set_model_workers.remote("teacher", list(self.workers))
+
+
+ROLES: tuple[type[WorkerPool], ...] = (CriticPool, RewardPool, ReferencePool, TeacherPool, RolloutPool)
 """Start order. The critic's ranks go first (their group is joined right after the learner's started, while the
 engines start); the rollout pool last, since its workers are given the others' handles."""
 

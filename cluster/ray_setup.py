@@ -49,12 +49,13 @@ def start_ray(cfg: RunConfig) -> None:
 
 def _legacy_options(cfg: RunConfig, role: str) -> dict:
     """Resources of one actor of `role` outside any placement group (tests that start single actors)."""
-    c, ref = cfg.cluster, cfg.reference
-    cpus = {"rollout": c.rollout_cpus, "learner": c.learner_cpus, "reward": c.reward_cpus, "reference": ref.cpus}[role]
+    c, ref, teacher = cfg.cluster, cfg.reference, cfg.teacher
+    cpus = {"rollout": c.rollout_cpus, "learner": c.learner_cpus, "reward": c.reward_cpus, "reference": ref.cpus,
+            "teacher": teacher.cpus}[role]
     gpus = {"rollout": cfg.rollout.tensor_parallel_size, "learner": 1, "reward": 0,
-            "reference": ref.gpus}[role] if c.use_gpus else 0
+            "reference": ref.gpus, "teacher": teacher.gpus}[role] if c.use_gpus else 0
     resources = {"rollout": c.rollout_resources, "learner": c.learner_resources, "reward": c.reward_resources,
-                 "reference": ref.resources}[role]
+                 "reference": ref.resources, "teacher": teacher.resources}[role]
     return {"num_cpus": cpus, "num_gpus": gpus, **({"resources": dict(resources)} if resources else {})}
 
 
@@ -76,3 +77,8 @@ def reward_options(cfg: RunConfig, placement: Placement | None = None, index: in
 def reference_options(cfg: RunConfig, placement: Placement | None = None, index: int = 0) -> dict:
     """Ray options for reference worker `index`: its bundle of the run's placement."""
     return placement.options("reference", index) if placement else _legacy_options(cfg, "reference")
+
+
+def teacher_options(cfg: RunConfig, placement: Placement | None = None, index: int = 0) -> dict:
+    """Ray options for teacher worker `index`: its bundle of the run's placement."""
+    return placement.options("teacher", index) if placement else _legacy_options(cfg, "teacher")

@@ -30,7 +30,13 @@ from cluster.shared_folder import check_run_folder_shared
 from cluster.supervisor import Supervisor
 from cluster.worker_pool import PoolContext, WorkerLost
 from learner.objective import finalize_metrics
-from learner.prepare import check_ref_logprobs, learner_scores_ref, prepare_batch, staleness_metrics
+from learner.prepare import (
+    check_ref_logprobs,
+    check_teacher_logprobs,
+    learner_scores_ref,
+    prepare_batch,
+    staleness_metrics,
+)
 from protocols.config import RunConfig, dump_config
 from protocols.metrics import length_metrics, rollout_metrics
 from protocols.training_batch import TrainingBatch
@@ -132,6 +138,7 @@ class Trainer:
             raise RuntimeError("the queue returned a sample older than train.max_staleness allows")
         batch = TrainingBatch.from_trajectories(trajectories)
         check_ref_logprobs(batch, cfg, [t.group_id for t in trajectories])
+        check_teacher_logprobs(batch, cfg, [t.group_id for t in trajectories])
         if learner_scores_ref(cfg):  # scored once per step: the KL in the reward and every update read these
             batch = batch.with_fields(ref_logprobs=self.learner.ref_logprobs(batch))
         staleness = staleness_metrics(batch, self.version)  # before the shaping narrows the loss mask
@@ -163,6 +170,7 @@ class Trainer:
             **{f"reward/error_{kind}": count for kind, count in errors.items()},
             **finalize_metrics(summed),
             **pool_metrics,
+            **prepared.metrics,
             **staleness,
             **(tool_metrics(tools) if tools else {}),
             "reward/mean": float(batch.rewards.mean()),

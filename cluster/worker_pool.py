@@ -106,9 +106,12 @@ class PoolContext:
     pools: dict[str, "WorkerPool"] = field(default_factory=dict)
     """Every pool of the run by role, in start order."""
 
-    def scoring_lists(self) -> dict[str, list]:
-        """RolloutWorker keyword -> live handles of every pool whose workers score groups in the stream."""
-        return {p.rollout_arg: p.handles() for p in self.pools.values() if p.rollout_arg}
+    def scoring_lists(self) -> dict:
+        """RolloutWorker keyword -> live handles of every pool whose workers score groups in the stream; the
+        token-scoring roles (reference, teacher) together under `scorers`, by role."""
+        pools = self.pools.values()
+        return {**{p.rollout_arg: p.handles() for p in pools if p.rollout_arg},
+                "scorers": {p.name: p.handles() for p in pools if getattr(p, "token_scorer", False)}}
 
 
 class WorkerPool:
@@ -121,6 +124,9 @@ class WorkerPool:
     """The method `ensure_alive` calls on every worker."""
     rollout_arg: ClassVar[str | None] = None
     """The RolloutWorker keyword its live handles go to, for a role that scores groups in the stream."""
+    token_scorer: ClassVar[bool] = False
+    """A frozen model that scores every response token in the stream (protocols.trajectory.TOKEN_SCORERS): its
+    live handles go to the rollout workers' router under its name."""
     counter_metrics: ClassVar[Callable | None] = None
     """protocols/metrics.py function of the workers' raw `counters()`, for a role that keeps some."""
     placement_options: ClassVar[Callable[[RunConfig, Placement | None, int], dict] | None] = None

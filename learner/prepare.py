@@ -3,18 +3,19 @@ turns scored samples into what the loss reads. Pure: a function of the batch and
 
     TrainingBatch (rewards, behavior / ref log-probs, values stamped in the stream)
     -> reward shaping (drops samples from the loss) -> KL in the reward -> GAE returns for a critic
-    -> advantages -> the loss normalizer
+    -> advantages -> the teacher's per-token share (on-policy distillation) -> the loss normalizer
 
 The driver (cluster/trainer.py) only waits for a batch, asks the learner for reference log-probs when
 `learner_scores_ref` says the ranks hold the reference, calls `prepare_batch`, trains and publishes.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from learner.aggregation import LossNormalizer, count_normalizer
+from learner.distillation import distillation_metrics, mix_advantages, teacher_advantages
 from learner.objective import (
     apply_reward_shaping,
     compute_advantages,
@@ -38,6 +39,8 @@ class PreparedBatch:
     """(B,) float32: the verifier's rewards after the algorithm's shaping (overlong penalty), before any KL."""
     normalizer: LossNormalizer
     """The global token and sequence counts every rank's loss divides by."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """What preparing measured for metrics.jsonl: `teacher/*` when a teacher scored the batch."""
 
 
 def streams_ref(cfg: RunConfig) -> bool:
@@ -66,6 +69,17 @@ def check_ref_logprobs(batch: TrainingBatch, cfg: RunConfig, group_ids: list[str
             "way to the queue")
 
 
+def check_teacher_logprobs(batch: TrainingBatch, cfg: RunConfig, group_ids: list[str]) -> None:
+    """Raise naming the groups when teacher workers run and the batch has no `teacher_logprobs`: the controller
+    queues a group only after every scoring role has stamped it, so a batch without them is a bug, never a batch
+    to train on without its teacher."""
+    if cfg.teacher.enabled and batch.teacher_logprobs is None:
+        raise RuntimeError(
+            f"teacher.num_workers={cfg.teacher.num_workers} but the batch reached the learner without "
+            f"teacher_logprobs (groups {sorted(set(group_ids))[:5]}); every group should pass a teacher worker on "
+            "its way to the queue")
+
+
 def reward_kl(batch: TrainingBatch, cfg: RunConfig) -> Tensor | None:
     """(B, T) per-token KL to place in the reward, or None when the KL is not in the reward: the estimator
     `algorithm.kl.estimator` of KL(mu || ref) on the loss tokens, from the behavior log-probs mu in every
@@ -91,8 +105,8 @@ def critic_returns(batch: TrainingBatch, rewards: Tensor, cfg: RunConfig, kl: Te
 
 
 def prepare_batch(batch: TrainingBatch, cfg: RunConfig) -> PreparedBatch:
-    """The batch the learner trains on: shaping, the KL in the reward, the critic's returns, advantages and the
-    loss normalizer, each computed once over the whole global batch (group baselines span ranks). `batch` must
+    """The batch the learner trains on: shaping, the KL in the reward, the critic's returns, advantages (mixed
+    with the teacher's per-token advantage when teacher log-probs came with the batch) and the loss normalizer, each computed once over the whole global batch (group baselines span ranks). `batch` must
     already carry what the stream stamped (values with a critic, ref_logprobs with reference workers) and, when
     `learner_scores_ref(cfg)`, the learner's reference log-probs."""
     rewards, sample_mask = apply_reward_shaping(batch.rewards, batch.response_lengths, batch.truncated,
@@ -103,9 +117,18 @@ def prepare_batch(batch: TrainingBatch, cfg: RunConfig) -> PreparedBatch:
         batch = batch.with_fields(returns=critic_returns(batch, rewards, cfg, kl))
     advantages = compute_advantages(rewards, batch.loss_mask, cfg.rollout.samples_per_prompt, cfg.algorithm,
                                     kl=kl, values=batch.values)
-    batch = batch.with_fields(advantages=advantages)
+    metrics: dict[str, float] = {}
+    if batch.teacher_logprobs is not None:
+        weight = cfg.algorithm.distillation.weight
+        metrics = distillation_metrics(batch.behavior_logprobs, batch.teacher_logprobs, batch.loss_mask,
+                                       advantages, weight)
+        from_teacher = teacher_advantages(batch.behavior_logprobs, batch.teacher_logprobs, batch.loss_mask)
+        advantages = mix_advantages(advantages, from_teacher, weight)
+    # the ranks read the advantages, not the teacher's log-probs: they need not travel
+    batch = batch.with_fields(advantages=advantages, teacher_logprobs=None)
     return PreparedBatch(batch=batch, shaped_rewards=rewards,
-                         normalizer=count_normalizer(batch.loss_mask, cfg.rollout.max_response_tokens))
+                         normalizer=count_normalizer(batch.loss_mask, cfg.rollout.max_response_tokens),
+                         metrics=metrics)
 
 
 def staleness_metrics(batch: TrainingBatch, version: int) -> dict[str, float]:

@@ -198,6 +198,17 @@ class OverlongConfig(_Strict):
     """Penalty at the length limit (reward is lowered by up to this much)."""
 
 
+class DistillationConfig(_Strict):
+    """On-policy distillation from a teacher (teacher.* workers score every sampled token): each token's advantage
+    mixes the teacher's per-token signal with the verifier's (learner/distillation.py, learner/ALGORITHMS.md)."""
+
+    weight: float = Field(0.0, ge=0.0, le=1.0)
+    """lambda in A_t = lambda * (log pi_teacher(y_t) - log mu(y_t)) + (1 - lambda) * A_reward_t, where mu is the
+    policy that sampled y_t (the behavior log-probs) and A_reward the preset's advantage from the verifier's reward.
+    0: pure RL (the teacher, if any, is only measured); 1: pure distillation (the reward is logged, not trained
+    on); between: both. Needs teacher.num_workers > 0 when above 0."""
+
+
 # ------------------------------------------------------------------------------------------------- presets
 
 _PAPERS = {
@@ -313,6 +324,9 @@ class AlgorithmConfig(_Strict):
     dynamic_sampling: bool = False
     """Skip groups whose rewards are all equal (no learning signal) and keep sampling until the batch is full
     (DAPO). The pipeline reads it; learner.objective.zero_variance_groups finds those groups."""
+    distillation: DistillationConfig = Field(default_factory=DistillationConfig)
+    """The teacher's share of the advantage (on-policy distillation); weight 0 (default) trains on the reward
+    alone."""
 
     @model_validator(mode="before")
     @classmethod

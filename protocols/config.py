@@ -15,13 +15,13 @@ from protocols.autoscale import AutoscaleConfig
 from protocols.data import DataConfig
 from protocols.learner_config import LearnerConfig
 from protocols.model import ModelConfig
-from protocols.model_workers import RAY_BUILTIN_RESOURCES, CriticConfig, ReferenceConfig
+from protocols.model_workers import RAY_BUILTIN_RESOURCES, CriticConfig, ReferenceConfig, TeacherConfig
 from protocols.reward import RewardConfig
 from protocols.tools import ToolsConfig
 from protocols.weight_sync import CollectiveSync, ObjectStoreSync, SyncCheck, WeightSyncConfig
 
-__all__ = ["RAY_BUILTIN_RESOURCES", "CriticConfig", "LearnerConfig", "ReferenceConfig", "RunConfig", "load_config",
-           "dump_config", "ConfigError"]
+__all__ = ["RAY_BUILTIN_RESOURCES", "CriticConfig", "LearnerConfig", "ReferenceConfig", "RunConfig", "TeacherConfig",
+           "load_config", "dump_config", "ConfigError"]
 
 
 class ClusterConfig(BaseModel):
@@ -297,6 +297,8 @@ class RunConfig(BaseModel):
     train: TrainConfig = Field(default_factory=TrainConfig)
     reference: ReferenceConfig = Field(default_factory=ReferenceConfig)
     """Reference worker group (frozen reference policy for the KL term); 0 workers keeps it in the learner."""
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig)
+    """Teacher worker group for on-policy distillation (algorithm.distillation.weight); 0 workers: no teacher."""
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     weight_sync: WeightSyncConfig = Field(default_factory=ObjectStoreSync)
     """How new weights reach the rollout engines: `type: object_store` (default) or `type: collective`."""
@@ -390,6 +392,21 @@ class RunConfig(BaseModel):
                 f"reference.max_tokens_per_micro_batch={self.reference.max_tokens_per_micro_batch} sets the reference "
                 "workers' forward size, but reference.num_workers=0 (the in-learner reference scores in the "
                 "learner's micro-batches). Set reference.num_workers > 0, or remove the setting")
+        return self
+
+    @model_validator(mode="after")
+    def _check_teacher(self) -> "RunConfig":
+        weight = self.algorithm.distillation.weight
+        if weight > 0 and not self.teacher.enabled:
+            raise ValueError(
+                f"algorithm.distillation.weight={weight} trains on a teacher's log-probs, but teacher.num_workers=0. "
+                "Set teacher.path=/path/to/teacher and teacher.num_workers=1, or algorithm.distillation.weight=0")
+        if weight == 1.0 and self.algorithm.dynamic_sampling:
+            raise ValueError(
+                "algorithm.distillation.weight=1 (pure distillation) with algorithm.dynamic_sampling=true: dynamic "
+                "sampling drops groups whose rewards are all equal, but under pure distillation every group carries "
+                "the teacher's per-token signal, so they would be thrown away for nothing. Set "
+                "algorithm.dynamic_sampling=false (or use a preset without it, e.g. grpo), or lower the weight")
         return self
 
     def _check_sequence_parallel_algorithm(self, sp: int) -> None:

@@ -23,6 +23,12 @@ SECTIONS: dict[str, str] = {
     "reference_worker/": "the reference workers' own counters since the last logged step: groups, samples, "
                          "micro_batches (forwards), seconds_per_group, tokens_per_s (prompt + response tokens per "
                          "second of scoring)",
+    "teacher_worker/": "the teacher workers' own counters since the last logged step, as reference_worker/: "
+                       "groups, samples, micro_batches, seconds_per_group, tokens_per_s",
+    "teacher/": "on-policy distillation (teacher workers), over the trained batch's loss tokens: reverse_kl_mean "
+                "(log mu - log pi_teacher per sampled token), reverse_kl_p50/p90/p99, reverse_kl_q1..q4 (its mean "
+                "in each quarter of a response's sampled tokens) and advantage_share (the teacher's share of the "
+                "advantages' magnitude under algorithm.distillation.weight)",
     "response/": "length_mean, length_p50, length_p99, length_max (tokens, of the trained batch), truncated_frac",
     "generated/": "every sample the engines finished and the verifiers scored since the last logged step, trained "
                   "or dropped (a group all wrong or all right never reaches the batch, so response/ cannot show "
@@ -122,18 +128,25 @@ def reward_worker_metrics(counters: Iterable[Mapping[str, float]]) -> dict[str, 
 
 
 # ----- reference workers ---------------------------------------------------------------------------------------
-def reference_worker_metrics(counters: Iterable[Mapping[str, float]]) -> dict[str, float]:
+def reference_worker_metrics(counters: Iterable[Mapping[str, float]], prefix: str = "reference_worker") \
+        -> dict[str, float]:
     """`reference_worker/*` from the raw counters of one or more reference workers (ReferenceWorker.counters():
-    groups, samples, tokens, micro_batches, seconds), merged first so rates are weighted by work."""
+    groups, samples, tokens, micro_batches, seconds), merged first so rates are weighted by work. A teacher's
+    workers count the same things, under `teacher_worker/`."""
     c = Counter(combine_metrics(counters))
     return {
-        "reference_worker/groups": c["groups"],
-        "reference_worker/samples": c["samples"],
-        "reference_worker/micro_batches": c["micro_batches"],
-        "reference_worker/seconds_per_group": c["seconds"] / c["groups"] if c["groups"] else 0.0,
+        f"{prefix}/groups": c["groups"],
+        f"{prefix}/samples": c["samples"],
+        f"{prefix}/micro_batches": c["micro_batches"],
+        f"{prefix}/seconds_per_group": c["seconds"] / c["groups"] if c["groups"] else 0.0,
         # tokens through the model (prompt + response) per second of scoring, summed over the workers' time
-        "reference_worker/tokens_per_s": c["tokens"] / c["seconds"] if c["seconds"] else 0.0,
+        f"{prefix}/tokens_per_s": c["tokens"] / c["seconds"] if c["seconds"] else 0.0,
     }
+
+
+def teacher_worker_metrics(counters: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """`teacher_worker/*`: reference_worker_metrics of the teacher workers' counters."""
+    return reference_worker_metrics(counters, prefix="teacher_worker")
 
 
 # ----- rollout workers and the batch --------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """Run-config sections of the optional model worker groups beside the learner: the critic (PPO's value model,
-trained) and the reference policy (frozen, scores KL terms). Each is a Ray actor group with its own placement."""
+trained), the reference policy (frozen, scores KL terms) and the teacher (frozen, scores tokens for on-policy
+distillation). Each is a Ray actor group with its own placement."""
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 """Resources Ray defines itself; the per-role custom resource maps must not name them."""
@@ -119,3 +120,63 @@ class ReferenceConfig(BaseModel):
             if not amount > 0:
                 raise ValueError(f"reference.resources.{name}={amount} must be > 0")
         return value
+
+
+class TeacherConfig(BaseModel):
+    """The teacher worker group for on-policy distillation: actors that hold a frozen teacher model and add its
+    log-probs of every sampled token to trajectories while they stream toward the replay queue, beside the reward
+    (learner/distillation.py reads them; algorithm.distillation.weight mixes them with the verifier's reward).
+    Plain data parallel, as the reference workers: each worker holds the whole teacher and scores whole groups."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = ""
+    """Hugging Face folder of the teacher (a stronger model on the same task: larger, or trained longer). Its
+    tokenizer must equal the student's (the run checks before any actor starts): the teacher scores the student's
+    own token ids. Empty: no teacher."""
+
+    num_workers: int = Field(0, ge=0, le=1024)
+    """Teacher workers. 0: no teacher. One worker per engine's worth of groups is plenty on small models; raise it
+    when `teacher_worker/seconds_per_group` approaches the time an engine takes to generate a group."""
+
+    cpus: float = Field(1.0, gt=0, le=1024)
+    """CPUs reserved per teacher worker (its placement bundle). On CPU-only runs its forward passes run within
+    them."""
+
+    gpus: float = Field(1.0, gt=0, le=8)
+    """GPUs reserved per teacher worker when cluster.use_gpus is true (ignored otherwise). A fraction lets workers
+    share a GPU: the worker holds one copy of the teacher and one micro-batch of activations."""
+
+    max_tokens_per_micro_batch: int = Field(0, ge=0, le=16_777_216)
+    """Token budget (prompt + response) of one teacher forward; 0 scores in the learner's micro-batches. The
+    teacher runs no backward, so on its own GPU it can take several times the learner's budget. A sample longer
+    than the budget is scored alone, never truncated."""
+
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources each teacher worker's bundle asks for, to pin the group to chosen nodes."""
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_resources_only(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, amount in value.items():
+            if name in RAY_BUILTIN_RESOURCES:
+                raise ValueError(
+                    f"teacher.resources names the built-in resource {name!r}; set CPUs with teacher.cpus and GPUs "
+                    "with teacher.gpus; custom resources are the names given to `ray start --resources`")
+            if not amount > 0:
+                raise ValueError(f"teacher.resources.{name}={amount} must be > 0")
+        return value
+
+    @model_validator(mode="after")
+    def _path_and_workers(self) -> "TeacherConfig":
+        if self.num_workers > 0 and not self.path:
+            raise ValueError(f"teacher.num_workers={self.num_workers} but teacher.path is empty: give the teacher's "
+                             "Hugging Face folder (teacher.path=/path/to/teacher), or set teacher.num_workers=0")
+        if self.path and self.num_workers == 0:
+            raise ValueError(f"teacher.path={self.path!r} but teacher.num_workers=0, so no worker would score with "
+                             "it. Set teacher.num_workers=1 (or more), or remove teacher.path")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_workers > 0

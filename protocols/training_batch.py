@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 PER_TOKEN = ("response_ids", "loss_mask", "behavior_logprobs", "token_versions", "advantages", "ref_logprobs",
-             "values", "returns", "proximal_logprobs")
+             "teacher_logprobs", "values", "returns", "proximal_logprobs")
 """The `(B, T)` fields; `select` trims them to the selected samples' longest response."""
 
 PER_SAMPLE = ("response_lengths", "sample_mask", "rewards", "truncated")
@@ -25,8 +25,9 @@ PER_SAMPLE = ("response_lengths", "sample_mask", "rewards", "truncated")
 @dataclass
 class TrainingBatch:
     """B samples (whole groups from the queue, or a shard or micro-batch of them). Who produced each field is in
-    its name: `behavior_logprobs` by vLLM at sampling, `ref_logprobs` by the frozen reference, `values` by the
-    critic, `advantages`/`returns` by the driver, `proximal_logprobs` by the learner before the update."""
+    its name: `behavior_logprobs` by vLLM at sampling, `ref_logprobs` by the frozen reference, `teacher_logprobs`
+    by the teacher, `values` by the critic, `advantages`/`returns` by the driver, `proximal_logprobs` by the
+    learner before the update."""
 
     prompt_ids: list[list[int]]
     """Token ids of each prompt (ragged; a packed or padded layout is built from them per micro-batch)."""
@@ -50,6 +51,8 @@ class TrainingBatch:
     """(B, T) float32, set by the driver (learner/objective.py compute_advantages)."""
     ref_logprobs: Tensor | None = None
     """(B, T) float32 log pi_ref(token): streamed by reference workers, or scored once by the learner group."""
+    teacher_logprobs: Tensor | None = None
+    """(B, T) float32 log pi_teacher(token): streamed by teacher workers (on-policy distillation)."""
     values: Tensor | None = None
     """(B, T) float32 V(state before each token), stamped by a critic worker in the stream (PPO)."""
     returns: Tensor | None = None
@@ -80,14 +83,16 @@ class TrainingBatch:
                      truncated: list[bool] | None = None, **per_token: list[list[float]] | None) -> "TrainingBatch":
         """A batch from ragged per-sample lists, padded once. `model_token_mask`: True on tokens the engine
         sampled (default: every response token); `loss_mask` is that AND `sample_mask`. `per_token`: optional
-        (advantages, ref_logprobs, values, returns, proximal_logprobs), one list per sample, one value a token."""
+        (advantages, ref_logprobs, teacher_logprobs, values, returns, proximal_logprobs), one list per sample,
+        one value a token."""
         n = len(response_ids)
         lengths = torch.tensor([len(r) for r in response_ids], dtype=torch.long)
         width = max(1, int(lengths.max())) if n else 1
         model_tokens = (_pad([[bool(x) for x in m] for m in model_token_mask], width, torch.bool)
                         if model_token_mask is not None else torch.arange(width)[None, :] < lengths[:, None])
         keep = torch.tensor(sample_mask if sample_mask is not None else [True] * n, dtype=torch.bool)
-        unknown = set(per_token) - {"advantages", "ref_logprobs", "values", "returns", "proximal_logprobs"}
+        unknown = set(per_token) - {"advantages", "ref_logprobs", "teacher_logprobs", "values", "returns",
+                                     "proximal_logprobs"}
         if unknown:
             raise TypeError(f"TrainingBatch.from_samples got unknown per-token fields {sorted(unknown)}")
         ragged = {"behavior_logprobs": behavior_logprobs, "model_token_mask": model_token_mask,
@@ -115,8 +120,8 @@ class TrainingBatch:
     @classmethod
     def from_trajectories(cls, trajectories: list) -> "TrainingBatch":
         """The batch of scored `protocols.trajectory.Trajectory` records, in order: which tokens the engine
-        sampled comes from each trajectory's own `loss_mask`; `ref_logprobs` and `values` are taken when every
-        trajectory carries them (reference and critic workers stamp them in the stream)."""
+        sampled comes from each trajectory's own `loss_mask`; `ref_logprobs`, `teacher_logprobs` and `values` are
+        taken when every trajectory carries them (reference, teacher and critic workers stamp them in the stream)."""
         def every(name: str) -> list | None:
             rows = [getattr(t, name) for t in trajectories]
             return None if any(r is None for r in rows) else rows
@@ -126,7 +131,7 @@ class TrainingBatch:
             [t.behavior_logprobs for t in trajectories], model_token_mask=[t.loss_mask for t in trajectories],
             token_versions=[t.token_versions for t in trajectories], rewards=[t.reward for t in trajectories],
             truncated=[t.truncated for t in trajectories],
-            ref_logprobs=every("ref_logprobs"), values=every("values"))
+            ref_logprobs=every("ref_logprobs"), teacher_logprobs=every("teacher_logprobs"), values=every("values"))
 
     # --- reading --------------------------------------------------------------------------------------------------
     @property

@@ -15,6 +15,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+TOKEN_SCORERS: dict[str, str] = {"reference": "ref_logprobs", "teacher": "teacher_logprobs"}
+"""The roles whose frozen models score every response token while a group streams to the queue, and the
+Trajectory (and TrainingBatch) field each one fills. The rollout worker's router sends a group to one worker of
+every such role beside its reward task; the controller joins the results (actors/stream_join.py)."""
+
 
 class Prompt(BaseModel):
     """One task instance, tokenized once by the data loader."""
@@ -136,6 +141,10 @@ class Trajectory(BaseModel):
     """log pi_ref(token) of the frozen reference policy, one per response token, at the sampling temperature;
     added by a reference worker while the group streams toward the queue (reference.num_workers > 0). None
     when no reference worker group runs (the learner then scores the reference itself, if the KL needs it)."""
+    teacher_logprobs: list[float] | None = None
+    """log pi_teacher(token) of the frozen teacher model, one per response token, at the sampling temperature;
+    added by a teacher worker while the group streams toward the queue (teacher.num_workers > 0). The
+    distillation advantage (learner/distillation.py) reads it on the tokens the engine sampled."""
 
     def __getstate__(self) -> dict[Any, Any]:
         # A single-turn record pickles (Ray's wire format) to the bytes it had before tool calls existed.
@@ -225,12 +234,17 @@ class TrajectoryGroup(BaseModel):
         return None if any(v is None for v in versions) else min(versions)
 
     def with_ref_logprobs(self, ref_logprobs: list[list[float]]) -> "TrajectoryGroup":
-        """A copy whose trajectories carry `ref_logprobs` (one list per trajectory, in order, one value per
-        response token), as a reference worker computed them."""
-        if len(ref_logprobs) != len(self.trajectories) or any(
-                len(r) != len(t.response_token_ids) for r, t in zip(ref_logprobs, self.trajectories)):
+        """A copy whose trajectories carry `ref_logprobs`, as a reference worker computed them."""
+        return self.with_token_scores("reference", ref_logprobs)
+
+    def with_token_scores(self, role: str, rows: list[list[float]]) -> "TrajectoryGroup":
+        """A copy whose trajectories carry the per-token log-probs a frozen model of `role` (TOKEN_SCORERS)
+        computed: one list per trajectory, in order, one value per response token."""
+        name = TOKEN_SCORERS[role]
+        if len(rows) != len(self.trajectories) or any(
+                len(r) != len(t.response_token_ids) for r, t in zip(rows, self.trajectories)):
             raise ValueError(
-                f"group {self.group_id}: reference log-probs of shape {[len(r) for r in ref_logprobs]} do not match "
+                f"group {self.group_id}: {role} log-probs of shape {[len(r) for r in rows]} do not match "
                 f"its responses of {[len(t.response_token_ids) for t in self.trajectories]} tokens")
         return self.model_copy(update={"trajectories": [
-            t.model_copy(update={"ref_logprobs": list(r)}) for t, r in zip(self.trajectories, ref_logprobs)]})
+            t.model_copy(update={name: list(r)}) for t, r in zip(self.trajectories, rows)]})

@@ -94,7 +94,8 @@ def test_killed_rollout_workers_rejoin_the_collective_weight_group(ray_cluster, 
     # test_worker_failure's check: here its leases may end before the kill lands, demo groups take a fraction of a
     # second)
     check_finished_and_accounted(tmp_path, summary, trained, rows)
-    assert summary["replaced_workers"] == {"rollout": 2, "reward": 0, "reference": 0, "critic": 0}
+    assert summary["replaced_workers"] == {"rollout": 2, "reward": 0, "reference": 0, "teacher": 0,
+                                           "critic": 0}
     # before_a_publish: the broadcast of version 5 failed and went out again on the new group; after_a_publish:
     # the health check found the dead worker before any broadcast did, so nothing was sent twice
     assert resent == 1

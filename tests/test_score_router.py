@@ -28,10 +28,10 @@ def group(group_id: str) -> TrajectoryGroup:
     return TrajectoryGroup(group_id=group_id, trajectories=[t])
 
 
-def router(calls, rewards=("r0", "r1"), references=(), critics=(), ready=None, attempts=1):
+def router(calls, rewards=("r0", "r1"), references=(), critics=(), ready=None, attempts=1, teachers=()):
     ready = ready if ready is not None else set()
-    return ScoreRouter([StandIn(n, calls) for n in rewards], [StandIn(n, calls) for n in references],
-                       [StandIn(n, calls) for n in critics], max_rescore_attempts=attempts, batch_timeout_s=0.0,
+    scorers = {"reference": [StandIn(n, calls) for n in references], "teacher": [StandIn(n, calls) for n in teachers]}
+    return ScoreRouter([StandIn(n, calls) for n in rewards], scorers, [StandIn(n, calls) for n in critics], max_rescore_attempts=attempts, batch_timeout_s=0.0,
                        put=lambda g: f"put:{g.group_id}",
                        wait=lambda refs, n, timeout: ([r for r in refs if r in ready], []))
 
@@ -85,7 +85,40 @@ def test_reference_runs_beside_the_reward_and_a_group_is_handed_over_once_both_f
     assert r.collect() == []  # the reference task is still running
     ready.add("ref0:score:0")
     ((group_id, item),) = r.collect()
-    assert group_id == "g0" and item == StreamedGroup("r0:score:1", "ref0:score:0", 0)
+    assert group_id == "g0" and item == StreamedGroup("r0:score:1", {"reference": ("ref0:score:0", 0)})
+
+
+def test_teacher_and_reference_both_score_beside_the_reward_and_a_dead_teacher_resends_the_whole_group():
+    calls, ready = [], set()
+    r = router(calls, rewards=("r0",), references=("ref0",), teachers=("t0", "t1"), ready=ready)
+    r.send(group("g0"))
+    # one put, read by the three tasks: reference, teacher, reward
+    assert calls == [("ref0", "put:g0"), ("t0", "put:g0"), ("r0", "put:g0")]
+    ready.update({"r0:score:2", "ref0:score:0"})
+    assert r.collect() == []  # the teacher's task is still running
+    ready.add("t0:score:1")
+    ((group_id, item),) = r.collect()
+    assert item == StreamedGroup("r0:score:2", {"reference": ("ref0:score:0", 0), "teacher": ("t0:score:1", 0)})
+    # t0 died before scoring g0: every stage runs again, the teacher part on t1 (t0 is known dead)
+    request = SyncRequest(worker_id=0, version=0, scored=[("g0", item)])
+    assert r.on_reply(request, SyncReply(stop=False, weights=None, rescore_model={"teacher": ["g0"]})) == {}
+    assert [name for name, _ in calls[3:]] == ["ref0", "t1", "r0"] and r.counts["rescored_teacher"] == 1
+    # past max_rescore_attempts (1) the group is dropped under the teacher's reason
+    request = SyncRequest(worker_id=0, version=0, scored=[("g0", "r0:score:5")])
+    assert r.on_reply(request, SyncReply(stop=False, weights=None, rescore_model={"teacher": ["g0"]})) == {
+        "teacher_worker_died": ["g0"]}
+    assert r.counts["dropped_teacher_worker_died"] == 1
+
+
+def test_with_every_teacher_worker_dead_groups_wait_and_give_up_names_the_teacher():
+    calls = []
+    r = router(calls, rewards=("r0",), teachers=("t0",), ready={"r0:score:1", "t0:score:0"})
+    r.send(group("g0"))
+    ((_, item),) = r.collect()
+    r.on_reply(SyncRequest(worker_id=0, version=0, scored=[("g0", item)]),
+               SyncReply(stop=False, weights=None, rescore_model={"teacher": ["g0"]}))
+    assert [g.group_id for g, _ in r.unsent] == ["g0"]
+    assert r.give_up() == {"teacher_worker_died": ["g0"]}
 
 
 def test_critic_is_chained_after_the_reward_and_a_dead_critic_holds_groups_until_the_restart():

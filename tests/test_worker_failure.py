@@ -1,4 +1,4 @@
-"""Worker failure: a killed rollout, reward or reference worker is replaced, a killed critic rank restarts the
+"""Worker failure: a killed rollout, reward, reference or teacher worker is replaced, a killed critic rank restarts the
 critic group, and the run finishes with every group accounted for; a non-finite loss skips the update on every
 learner rank, bitwise; a dead learner rank stops the next step with an error naming it."""
 
@@ -120,18 +120,19 @@ def test_controller_hands_back_groups_whose_reference_worker_died(ray_cluster):
     actor, g, dead, live = controller_with_three_leased_groups()
     try:
         # reward scoring lives; the reference scoring of g1 died with its worker
-        scored = [(g[0], StreamedGroup(live.score.remote(g[0]), live.ref_logprobs.remote(g[0]), 0)),
-                  (g[1], StreamedGroup(live.score.remote(g[1]), dead.ref_logprobs.remote(g[1]), 1))]
+        scored = [(g[0], StreamedGroup(live.score.remote(g[0]), {"reference": (live.ref_logprobs.remote(g[0]), 0)})),
+                  (g[1], StreamedGroup(live.score.remote(g[1]), {"reference": (dead.ref_logprobs.remote(g[1]), 1)}))]
         reply = ray.get(actor.sync.remote(SyncRequest(worker_id=0, version=0, scored=scored)))
         # handed back (lease kept) for reward and reference again; not a reward worker's death, not fatal
-        assert reply.rescore_reference == [g[1]] and reply.rescore == []
+        assert reply.rescore_model == {"reference": [g[1]]} and reply.rescore == []
         stats = ray.get(actor.stats.remote())
         assert stats["queue/depth"] == 1 and stats["queue/leased"] == 2
         assert stats["queue/rescored_reference_worker_died"] == 1 and stats["queue/rescored_reward_worker_died"] == 0
         # on the final call it is dropped under its own reason
         final = SyncRequest(worker_id=0, version=0, final=True, dropped={"aborted_at_stop": [g[2]]},
-                            scored=[(g[1], StreamedGroup(live.score.remote(g[1]), dead.ref_logprobs.remote(g[1]), 1))])
-        assert ray.get(actor.sync.remote(final)).rescore_reference == []
+                            scored=[(g[1], StreamedGroup(live.score.remote(g[1]),
+                                                         {"reference": (dead.ref_logprobs.remote(g[1]), 1)}))])
+        assert ray.get(actor.sync.remote(final)).rescore_model == {}
         stats = ray.get(actor.stats.remote())
         assert stats["queue/dropped_reference_worker_died"] == 1 and stats["queue/leased"] == 0
         assert stats["queue/admitted"] == stats["queue/depth"] + 2
@@ -217,7 +218,7 @@ def test_nonfinite_loss_skips_the_update_bitwise_and_a_dead_rank_stops_the_next_
 # One run kills a worker of each role in turn (a Trainer's start costs most of a test's time here); each kill waits
 # for the previous replacement, and each role's counters and queue reasons are its own. The stats just before the
 # reward worker's kill show that the reference and critic deaths before it were not taken for a reward worker's.
-KILLS = [("rollout", 2), ("reference", 4), ("critic", 6), ("reward", 9)]
+KILLS = [("rollout", 2), ("reference", 4), ("critic", 6), ("teacher", 7), ("reward", 9)]
 """(role, kill once the learner has trained this many batches), in order. The rollout worker goes first: its
 replacement's start (an engine) takes about as long as the other worker needs for the remaining steps."""
 
@@ -225,7 +226,7 @@ replacement's start (an engine) takes about as long as the other worker needs fo
 def run_and_kill(tmp_path, kills: list[tuple[str, int]], steps: int, *overrides: str) -> tuple[dict, list[str],
                                                                                                 list[dict], dict]:
     """A demo run (2 rollout and 2 reward workers) of `steps` steps in which, for each (role, kill_after_steps) of
-    `kills` in turn, `role` worker 0 (rollout, reward, reference, or critic rank 0) is killed once the learner has
+    `kills` in turn, `role` worker 0 (rollout, reward, reference, teacher, or critic rank 0) is killed once the learner has
     trained `kill_after_steps` batches and its replacement is counted. Returns (summary, trained group ids, metrics
     rows, {"groups": the trained groups, "restart_s": {role: seconds from its kill to its replacement counted},
     "stats_before": {role: the controller's stats just before its kill}})."""
@@ -293,13 +294,21 @@ def test_a_killed_worker_of_each_role_is_replaced_and_the_run_finishes(ray_clust
     import logging
 
     caplog.set_level(logging.WARNING, logger="cluster.critic_group")
+    from cluster.model_folder import resolve_model_path
+    from tests.test_pipeline import demo_config
+
     steps = 14
+    # the teacher is the policy's own starting folder: the same vocabulary, a real second model worker. PPO's
+    # advantage takes a 0.2 share of the teacher's per-token signal (on-policy distillation beside a critic)
+    teacher = resolve_model_path(demo_config(tmp_path))
     summary, trained, rows, seen = run_and_kill(tmp_path, KILLS, steps, "algorithm.preset=ppo",
-                                                "reference.num_workers=1", "critic.num_workers=2")
+                                                "reference.num_workers=1", "critic.num_workers=2",
+                                                f"teacher.path={teacher}", "teacher.num_workers=1",
+                                                "algorithm.distillation.weight=0.2")
     dropped = check_finished_and_accounted(tmp_path, summary, trained, rows, steps)
     print(f"kill -> replacement counted in {seen['restart_s']} s; queue {summary['queue']}")
-    assert summary["replaced_workers"] == {"rollout": 1, "reward": 1, "reference": 1, "critic": 1}
-    for role in ("rollout", "reward", "reference", "critic"):
+    assert summary["replaced_workers"] == {"rollout": 1, "reward": 1, "reference": 1, "teacher": 1, "critic": 1}
+    for role in ("rollout", "reward", "reference", "teacher", "critic"):
         assert rows[-1][f"fault/replaced_{role}"] == 1 and rows[0][f"fault/replaced_{role}"] == 0, role
     assert unknown_names(rows[-1]) == []  # the supervisor's counters are documented in protocols/metrics.py
     q = summary["queue"]
@@ -313,11 +322,19 @@ def test_a_killed_worker_of_each_role_is_replaced_and_the_run_finishes(ray_clust
     assert replacement["versions_seen"][0] == 0 and replacement["versions_seen"][1] >= 2, replacement
     assert replacement["generate_s"] > 0, replacement
 
-    # reference: every trained trajectory carries the frozen reference's log-probs and the critic's values, one
-    # per response token
+    # reference and teacher: every trained trajectory carries the frozen reference's and the teacher's log-probs
+    # and the critic's values, one per response token (the teacher's death left no group trained without them;
+    # the driver refuses such a batch). At version 0 the teacher, the same folder as the policy's start, agrees
+    # with vLLM's behavior log-probs as the reference does.
     for t in [t for g in seen["groups"] for t in g.trajectories]:
         assert t.ref_logprobs is not None and len(t.ref_logprobs) == len(t.response_token_ids)
+        assert t.teacher_logprobs is not None and len(t.teacher_logprobs) == len(t.response_token_ids)
         assert t.values is not None and len(t.values) == len(t.response_token_ids)
+        if t.max_version == 0:
+            assert max(abs(a - b) for a, b in zip(t.teacher_logprobs, t.behavior_logprobs)) < 1e-3
+    assert "queue/dropped_teacher_failed" not in q, q
+    assert all("teacher/reverse_kl_mean" in r and 0.0 <= r["teacher/advantage_share"] < 1.0 for r in rows)
+    assert summary["teacher_workers"]["teacher_worker/groups"] > 0
     # groups whose reference scoring died were sent again or dropped under their own reason, never taken for a
     # reward worker's or a forward's failure: up to the reward worker's kill, no group was rescored for one
     assert "queue/dropped_reference_failed" not in q and "queue/dropped_reward_failed" not in q, q

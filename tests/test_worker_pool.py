@@ -49,10 +49,10 @@ def test_the_replacement_limit_names_the_role_the_count_and_the_setting():
 
 def test_every_role_has_a_pool_sized_by_its_config_and_the_rollout_pool_starts_last():
     cfg = load_config(None, ["algorithm.preset=grpo", "reference.num_workers=2", "reward.num_workers=3",
-                             "rollout.num_workers=4"])
-    assert [role.name for role in ROLES] == ["critic", "reward", "reference", "rollout"]
+                             "rollout.num_workers=4", "teacher.path=/models/teacher", "teacher.num_workers=1"])
+    assert [role.name for role in ROLES] == ["critic", "reward", "reference", "teacher", "rollout"]
     assert {role.name: role.launch_size(cfg) for role in ROLES} == {"critic": 0, "reward": 3, "reference": 2,
-                                                                   "rollout": 4}
+                                                                   "teacher": 1, "rollout": 4}
 
 
 class StandInPool:
@@ -87,7 +87,7 @@ def test_the_supervisor_loops_over_pools_in_order_and_counts_by_role():
     assert sup.restart_seconds == [1.5, 1.5, 1.5] and sup.workers("reward") == ["r0", "r1"]
     # what a new rollout worker is given: every pool that scores groups, by its RolloutWorker keyword
     ctx = PoolContext(load_config(None, []), controller=None, placement=None, model_path="unused", pools=pools)
-    assert ctx.scoring_lists() == {"reward_workers": ["r0", "r1"]}
+    assert ctx.scoring_lists() == {"reward_workers": ["r0", "r1"], "scorers": {}}
 
 
 def test_a_retired_worker_gets_no_new_groups_and_its_groups_still_come_back():

@@ -1,0 +1,153 @@
+"""On-policy distillation against RL from the same student start (issue 34, item 4), in one run.
+
+The task is the addition demo's. The student is the shipped demo model (a 0.3M-parameter Qwen2 shape, warm-started
+until about 45% held-out accuracy). The teacher is a larger model of the same family and tokenizer (hidden 256,
+4 layers, about 2.4M parameters) warm-started longer, to a high held-out accuracy; both are built once and cached
+(demos/model_cache.py). Each mode is a `relayrl train` job as a user runs it, in its own process, one after the
+other, with the same seed, steps and held-out evaluations every `--eval-every` steps:
+
+    rl       the shipped `make train` job (DAPO: verifier reward only)
+    distill  the teacher's per-token reverse-KL advantage only (algorithm.distillation.weight=1)
+    mix      half of each (weight 0.5)
+
+It prints and writes (`--out`: results.json, table.md, distillation.png) held-out accuracy against steps and
+against training seconds, the steps and seconds each mode takes to reach the RL run's final accuracy, and the
+teacher's own held-out accuracy measured by the same evaluation (a `train.steps=0` job on the teacher).
+
+    python benchmarks/distillation.py --steps 200 --eval-every 25 --out runs/bench_distill [key=value ...]
+
+Run it on an otherwise idle machine: the jobs run one after the other, so load that changes between them moves
+the seconds (not the steps).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+TEACHER_SHAPE = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "intermediate_size": 512,
+                 "warm_start_steps": 6000, "warm_start_target_accuracy": 0.97}
+"""The teacher: four times the student's width x depth, supervised until 97% greedy accuracy on problems of the
+training split it never trained on (or 6,000 steps)."""
+
+MODES = {
+    "rl": [],
+    "distill": ["algorithm.dynamic_sampling=false", "algorithm.distillation.weight=1"],
+    "mix": ["algorithm.dynamic_sampling=false", "algorithm.distillation.weight=0.5"],
+}
+"""Overrides of each mode over the shipped demo job. Dynamic sampling is off when the teacher trains: a group whose
+rewards are all equal still carries the teacher's per-token signal."""
+
+
+def build_teacher() -> str:
+    """The cached teacher folder (built on first use: a few minutes of supervised steps on 2 cores)."""
+    from demos.arithmetic_model import prepare_demo_model
+    from protocols.model import DemoModelConfig
+
+    return prepare_demo_model(demo=DemoModelConfig(**TEACHER_SHAPE))
+
+
+def run_job(name: str, out: Path, overrides: list[str]) -> dict:
+    """One `relayrl train` job in its own process; returns its summary and metrics rows."""
+    folder = out / name
+    cmd = [sys.executable, "-m", "cli.main", "train", "--output-dir", str(folder), "logging.plots=false",
+           *overrides]
+    print(f"[{name}] {' '.join(cmd[2:])}", flush=True)
+    t0 = time.perf_counter()
+    with open(out / f"{name}.log", "w") as log:
+        subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True, env=os.environ.copy())
+    print(f"[{name}] done in {time.perf_counter() - t0:.0f} s (log: {out / f'{name}.log'})", flush=True)
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return {"summary": json.loads((folder / "summary.json").read_text()), "rows": rows}
+
+
+def curve(job: dict) -> list[tuple[int, float, float]]:
+    """(step, training seconds so far, held-out accuracy): before training, at each mid-run evaluation, after."""
+    summary, rows = job["summary"], job["rows"]
+    points, seconds = [(0, 0.0, summary["accuracy_before"])], 0.0
+    for row in rows:
+        seconds += row["time/step_s"]
+        if "eval/accuracy" in row:
+            points.append((int(row["step"]), seconds, row["eval/accuracy"]))
+    if points[-1][0] != summary["steps"]:
+        points.append((summary["steps"], seconds, summary["accuracy_after"]))
+    return points
+
+
+def first_reaching(points: list[tuple[int, float, float]], target: float) -> tuple[int, float] | None:
+    """(step, seconds) of the first evaluation at or above `target`; None if none."""
+    return next(((step, s) for step, s, acc in points if acc >= target - 1e-9), None)
+
+
+def plot(curves: dict[str, list], teacher_accuracy: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, points in curves.items():
+        steps, seconds, acc = zip(*points)
+        axes[0].plot(steps, acc, marker="o", label=name)
+        axes[1].plot(seconds, acc, marker="o", label=name)
+    for ax, xlabel in zip(axes, ("learner step", "training seconds (2-core CPU)")):
+        ax.axhline(teacher_accuracy, color="grey", linestyle="--", label="teacher")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("held-out greedy accuracy")
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle("Addition demo: on-policy distillation vs RL from the same student")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--eval-every", type=int, default=25)
+    parser.add_argument("--out", default="runs/bench_distill")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("overrides", nargs="*", help="key=value overrides for every job")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    teacher = build_teacher()
+    print(f"teacher folder {teacher} ready after {time.perf_counter() - t0:.0f} s", flush=True)
+    teacher_job = run_job("teacher", out, [f"model.path={teacher}", "train.steps=0", *args.overrides])
+    teacher_accuracy = teacher_job["summary"]["accuracy_before"]
+    common = [f"train.steps={args.steps}", f"train.eval_every={args.eval_every}", *args.overrides]
+    jobs = {}
+    for mode in args.modes.split(","):
+        with_teacher = [f"teacher.path={teacher}", "teacher.num_workers=1"] if mode != "rl" else []
+        jobs[mode] = run_job(mode, out, [*common, *with_teacher, *MODES[mode]])
+    curves = {mode: curve(job) for mode, job in jobs.items()}
+    rl_final = curves["rl"][-1][2] if "rl" in curves else None
+    results = {"teacher_accuracy": teacher_accuracy, "teacher_shape": TEACHER_SHAPE, "steps": args.steps,
+               "curves": curves, "rl_final_accuracy": rl_final, "modes": {}}
+    lines = ["| mode | held-out before | after | training s | steps to RL's final | seconds to RL's final |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for mode, points in curves.items():
+        reach = first_reaching(points, rl_final) if rl_final is not None else None
+        results["modes"][mode] = {"before": points[0][2], "after": points[-1][2], "train_s": points[-1][1],
+                                  "reach_rl_final": reach,
+                                  "teacher_kl_last": jobs[mode]["rows"][-1].get("teacher/reverse_kl_mean")}
+        lines.append(f"| {mode} | {points[0][2]:.3f} | {points[-1][2]:.3f} | {points[-1][1]:.1f} | "
+                     f"{reach[0] if reach else '-'} | {f'{reach[1]:.1f}' if reach else '-'} |")
+    lines.append(f"\nTeacher (hidden 256, 4 layers) held-out accuracy: {teacher_accuracy:.3f}")
+    table = "\n".join(lines)
+    print(table)
+    (out / "table.md").write_text(table + "\n")
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    plot(curves, teacher_accuracy, out / "distillation.png")
+    print(f"wrote {out / 'table.md'}, {out / 'results.json'}, {out / 'distillation.png'}")
+
+
+if __name__ == "__main__":
+    main()
