@@ -112,6 +112,8 @@ class Trainer:
         # worker failure: health checks, replacements and bounded waits, pool by pool
         self.supervisor = Supervisor(cfg, self.controller, self.pools)
         self.autoscaler = Autoscaler(cfg.rollout.autoscale) if cfg.rollout.autoscale.enabled else None
+        self.requested_resources = False
+        """A resize asked Ray's autoscaler for resources (cluster.autoscaling); withdrawn at shutdown."""
         self.version = 0
         self.trained_group_ids: list[str] = []
         self.accuracy_before: float | None = None
@@ -304,6 +306,7 @@ class Trainer:
 
             bundles = resource_request(self.cfg, sizes)
             request_resources(bundles=bundles)
+            self.requested_resources = True
             log.warning("asked Ray's autoscaler for %d bundles (the run with %d rollout workers)", len(bundles),
                         rollout_workers)
             return
@@ -446,6 +449,10 @@ class Trainer:
         return accuracy
 
     def shutdown(self) -> None:
+        if self.requested_resources:  # the request persists until replaced: let the autoscaler remove the nodes
+            from ray.autoscaler.sdk import request_resources
+
+            request_resources(bundles=[])
         self.learner.shutdown()
         for pool in self.pools.values():
             pool.shutdown()
