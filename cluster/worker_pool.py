@@ -318,8 +318,8 @@ class WorkerPool:
 
     @staticmethod
     def _start_report(name: str, wanted: int, failed: dict[int, str], size: int) -> str:
-        return (f"{len(failed)} of {wanted} new {name} worker(s) did not start ({'; '.join(sorted(set(failed.values())))}); "
-                f"the pool goes on with {size}")
+        why = "; ".join(sorted(set(failed.values())))
+        return f"{len(failed)} of {wanted} new {name} worker(s) did not start ({why}); the pool goes on with {size}"
 
     def _tell_controller(self, ref) -> None:
         ray.get(ref, timeout=self.cfg.fault.worker_start_timeout_s)
