@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="folder for the PNGs (default RUN_DIR/plots)")
     p = sub.add_parser("scale", help="resize a running job's rollout pool (applied between two steps)")
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (output_dir) of a running job")
-    p.add_argument("--rollout-workers", type=int, required=True, metavar="N", help="rollout workers wanted")
+    p.add_argument("--rollout-workers", type=worker_count, required=True, metavar="N",
+                   help="rollout workers wanted (an integer >= 1)")
     p.add_argument("--wait", type=float, default=600.0, metavar="SECONDS",
                    help="wait this long for the job to apply it and print the result (0: return at once)")
     add_eval_parser(sub)
@@ -114,10 +115,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def worker_count(text: str) -> int:
+    """argparse type of --rollout-workers: a whole number (its range is request_scale's to check)."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of workers: give an integer >= 1, "
+                                         "e.g. --rollout-workers 2") from None
+
+
 def scale_command(run_dir: str, rollout_workers: int, wait_s: float) -> int:
     """Write the request (cluster/scale_requests.py); with `wait_s`, print the driver's record of it. Exit 0 once
-    applied (or at once with --wait 0), 1 if the job refused it or did not answer in time, 2 on a bad argument."""
-    from cluster.scale_requests import request_scale, wait_done
+    applied (or at once with --wait 0), 1 if the job refused it or did not answer in time, 2 on a bad argument or
+    a folder where no job runs (no fresh heartbeat of its driver: `check_running`)."""
+    from cluster.scale_requests import check_running, request_scale, wait_done
 
     try:
         request_id = request_scale(run_dir, rollout_workers)
@@ -128,8 +139,14 @@ def scale_command(run_dir: str, rollout_workers: int, wait_s: float) -> int:
         return 0
     done = wait_done(run_dir, request_id, wait_s)
     if done is None:
-        return refuse("relayrl scale", f"request {request_id} not applied within --wait {wait_s:g} s: is the job "
-                                       f"writing {run_dir} running? It applies requests between two steps", 1)
+        try:
+            check_running(run_dir)
+        except ValueError as err:  # it stopped while we waited
+            return refuse("relayrl scale", f"request {request_id} not applied: {err}", 1)
+        return refuse("relayrl scale", f"request {request_id} not applied within --wait {wait_s:g} s: the job "
+                                       f"writing {run_dir} applies requests between two steps, and a step may take "
+                                       "longer; the request stays, and is applied at the next step boundary. Raise "
+                                       "--wait to see its result", 1)
     print(json.dumps(done))
     return 1 if "error" in done else 0
 

@@ -1,7 +1,8 @@
 """Figures of a run folder: PNGs drawn from `metrics.jsonl` (and `summary.json` when present) with matplotlib.
 
 `plot_run(RUN_DIR)` writes `RUN_DIR/plots/*.png`: one figure per topic and `overview.png` with every panel (the
-tool panels only for a run that logged `tools/*`).
+tool panels only for a run that logged `tools/*`, the rollout pool's only for a run whose pool was resized or
+autoscaled).
 Called by `relayrl plot RUN_DIR` and once at the end of every run (Trainer.run). The learner's bare metric names
 (`is_weight_mean`) also match a prefixed key (`learner/is_weight_mean`).
 """
@@ -259,6 +260,40 @@ def panel_tool_errors(ax: Axes, rows: list[dict], summary: dict) -> bool:
     return drawn or bool(x)
 
 
+def panel_pool(ax: Axes, rows: list[dict], summary: dict) -> bool:
+    """The rollout pool's size over the run (`relayrl scale`, rollout.autoscale), the autoscaler's grow and shrink
+    decisions on it, new workers that failed to start, and the share of each step the learner waited (what the
+    autoscaler reads)."""
+    ax.set_title("rollout pool: workers, autoscaler decisions, learner wait")
+    x, y = series(rows, "rollout/num_workers")
+    if x:
+        ax.step(x, y, where="post", label="rollout/num_workers")
+    cx, change = series(rows, "autoscale/change")
+    sizes = dict(zip(*series(rows, "autoscale/size")))
+    for sign, marker, color, label in ((1, "^", "tab:green", "autoscaler grew"),
+                                       (-1, "v", "tab:orange", "autoscaler shrank")):
+        at = [s for s, c in zip(cx, change) if c * sign > 0 and s in sizes]
+        if at:
+            ax.plot(at, [sizes[s] for s in at], linestyle="none", marker=marker, color=color, label=label)
+    fx, failed = series(rows, "fault/start_failures_rollout")
+    if fx and max(failed) > 0:
+        ax.plot(fx, failed, color="tab:red", linestyle=":", marker="x", label="start failures (total)")
+    if ax.get_lines():
+        ax.set_xlabel("step")
+        ax.set_ylabel("rollout workers")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7, loc="upper left")
+        ax.grid(alpha=0.3)
+    wx, wait = series(rows, "autoscale/wait_frac")
+    if wx:
+        twin = ax.twinx()
+        twin.plot(wx, smooth(wait, max(1, len(wx) // 25)), color="gray", linestyle="--", label="autoscale/wait_frac")
+        twin.set_ylim(0, 1.05)
+        twin.set_ylabel("share of the step the learner waited")
+        twin.legend(fontsize=7, loc="upper right")
+    return bool(x or wx)
+
+
 Panel = Callable[[Axes, list[dict], dict], bool]
 
 FIGURES: dict[str, Panel] = {
@@ -274,6 +309,15 @@ FIGURES: dict[str, Panel] = {
 
 TOOL_FIGURES: dict[str, Panel] = {"tools": panel_tools, "tool_errors": panel_tool_errors}
 """Drawn after FIGURES, only for a run that logged `tools/*` metrics (tools enabled)."""
+
+POOL_FIGURES: dict[str, Panel] = {"rollout_pool": panel_pool}
+"""Drawn after those, only for a run whose rollout pool changed size or ran the autoscaler (`elastic_run`)."""
+
+
+def elastic_run(rows: list[dict]) -> bool:
+    """The run ran the autoscaler (autoscale/*), or its rollout pool took more than one size."""
+    return (any(k.startswith("autoscale/") for row in rows for k in row)
+            or len(set(series(rows, "rollout/num_workers")[1])) > 1)
 
 
 def _no_data(ax: Axes, what: str) -> None:
@@ -292,6 +336,8 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     figures = dict(FIGURES)
     if any(k.startswith("tools/") for row in rows for k in row):
         figures.update(TOOL_FIGURES)
+    if elastic_run(rows):
+        figures.update(POOL_FIGURES)
     grid_rows = math.ceil((len(figures) + 1) / 4)  # the panels and the summary text, four a row
     overview = Figure(figsize=(18, 4.5 * grid_rows), layout="constrained")
     axes = overview.subplots(grid_rows, 4).flatten()

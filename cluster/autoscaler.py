@@ -5,7 +5,8 @@ answer through the same `Trainer.scale` as `relayrl scale`.
 - Grow while the learner waits for data: the share of the step spent waiting (`time/wait_s / time/step_s`) stays
   above `grow_wait_frac`.
 - Shrink while generation is ahead: the learner hardly waits (below `shrink_wait_frac`) and either the queue holds
-  a whole batch more or groups are being dropped as too stale (their tokens were generated for nothing).
+  `shrink_queue_batches` whole batches or groups are being dropped as too stale (their tokens were generated for
+  nothing).
 - Hysteresis: a signal must hold for `patience_steps` steps in a row; after any change the autoscaler waits
   `cooldown_steps` steps, so the new size is measured before it moves again (the cooldown's steps count toward
   the next streak: they measured the new size).
@@ -45,7 +46,7 @@ class Autoscaler:
         wait_frac = signals.wait_s / signals.step_s if signals.step_s > 0 else 0.0
         stale_grew = signals.dropped_stale > self.last_dropped_stale
         self.last_dropped_stale = signals.dropped_stale
-        ahead = signals.queue_depth >= signals.prompts_per_step
+        ahead = signals.queue_depth >= cfg.shrink_queue_batches * signals.prompts_per_step
         self.grow_streak = self.grow_streak + 1 if wait_frac > cfg.grow_wait_frac else 0
         self.shrink_streak = (self.shrink_streak + 1 if wait_frac < cfg.shrink_wait_frac and (ahead or stale_grew)
                               else 0)

@@ -226,6 +226,26 @@ def check_plan(plan: PlacementPlan, nodes: list[Node]) -> dict[str, list[str]]:
     return assign_bundles(plan, nodes)
 
 
+def resized_plan(cfg: RunConfig, sizes: dict[str, int]) -> PlacementPlan:
+    """The run's plan with `sizes` ({role: num_workers}) in place of the launch sizes."""
+    update = {role: getattr(cfg, role).model_copy(update={"num_workers": n}) for role, n in sizes.items()}
+    return plan_placement(cfg.model_copy(update=update))
+
+
+def check_pool_sizes(cfg: RunConfig, sizes: dict[str, int], nodes: list[Node]) -> None:
+    """Refuse pool sizes the nodes can never hold beside the rest of the run: the run's plan with `sizes`
+    ({role: num_workers}, e.g. a rollout resize) in place of the launch sizes, checked as at launch (PlacementError
+    naming the settings, the demand and what the nodes have)."""
+    check_plan(resized_plan(cfg, sizes), nodes)
+
+
+def resource_request(cfg: RunConfig, sizes: dict[str, int]) -> list[dict[str, float]]:
+    """The bundles of the whole run with `sizes` in place of the launch sizes, one per actor (an engine's GPUs in
+    one bundle: they share a node), for `ray.autoscaler.sdk.request_resources`, which sizes the cluster to hold all
+    of them at once."""
+    return [dict(b) for role in resized_plan(cfg, sizes).roles for b in role.bundles]
+
+
 def _bundle_text(bundle: dict[str, float]) -> str:
     shown = sorted((k, v) for k, v in bundle.items() if not _is_internal(k))
     shown.sort(key=lambda kv: (kv[0] != "CPU", kv[0] != "GPU"))  # CPU, GPU, then custom names A-Z

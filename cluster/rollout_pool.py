@@ -17,7 +17,8 @@ import ray
 
 from actors.rollout_worker import RolloutWorker
 from cluster.ray_setup import rollout_options
-from cluster.worker_pool import WorkerIds, WorkerPool, resize_plan
+from cluster.scale_requests import check_size
+from cluster.worker_pool import WorkerIds, WorkerLost, WorkerPool, drop_slots, resize_plan
 from protocols.config import RunConfig
 from protocols.weight_announcement import WeightAnnouncement
 from weights.backends import weight_backend
@@ -205,25 +206,36 @@ class RolloutPool(WorkerPool):
         """Grow to `n` engines (new controller ids; each loads the newest weights and, while generation runs,
         starts its run, as a replacement does) or shrink by draining the last ones (see `_drain`, which waits at
         most `drain_timeout_s`, default fault.worker_start_timeout_s). The controller's worker count follows (the
-        fair share at max_staleness 0). Called by the driver between steps."""
-        if n < 1:
-            raise ValueError(f"rollout pool resize to {n}: a running job keeps at least one rollout worker")
+        fair share at max_staleness 0). Called by the driver between steps. New engines that do not start (an
+        engine error, no room on the cluster within fault.worker_start_timeout_s) are killed, counted in
+        `start_failures` and left out: their controller ids are retired and the pool, the controller's count and
+        the log say the size it really has; WorkerLost then names them (the run goes on)."""
+        n = check_size("rollout", n)
         first = len(self.workers)
         plan = resize_plan(first, n, self.bundles)
         for slot in plan.start:
             self.workers.append(self.build(slot, self.ids.add()))
             if self.run_refs is not None:
                 self.run_refs.append(None)
+        failed = {}
         if plan.start:
-            self._wait_serving(plan.start, "the new")
-            self._tell_controller(self.ctx.controller.set_num_workers.remote(n))
-            self._take_weights(plan.start)
+            failed = self._start_new(plan.start)  # drops the failed ones from `workers`
+            for slot in sorted(failed, reverse=True):
+                self._tell_controller(self.ctx.controller.retire_worker.remote(self.ids.discard(slot)))
+            if self.run_refs is not None:
+                drop_slots(self.run_refs, failed)
+            started = list(range(first, len(self.workers)))
+            if started:
+                self._tell_controller(self.ctx.controller.set_num_workers.remote(len(self.workers)))
+                self._take_weights(started)
         if plan.leave:
             self._drain(len(plan.leave), drain_timeout_s)
             self._tell_controller(self.ctx.controller.set_num_workers.remote(n))
         log.warning("rollout pool resized from %d to %d workers (ids %s; %s with plain resources, past the "
-                    "placement's bundles)", first, n, self.ids.ids,
+                    "placement's bundles)", first, len(self.workers), self.ids.ids,
                     sorted(set(plan.start) - set(plan.in_bundles)) or "none")
+        if failed:
+            raise WorkerLost(self._start_report("rollout", len(plan.start), failed, len(self.workers)))
 
     def _drain(self, count: int, timeout_s: float | None) -> None:
         """The last `count` workers leave: the controller grants them nothing more (their ids are retired), their

@@ -111,6 +111,7 @@ class Supervisor:
 
     def metrics(self) -> dict[str, float]:
         return {**{f"fault/replaced_{name}": float(pool.replaced) for name, pool in self.pools.items()},
+                **{f"fault/start_failures_{name}": float(pool.start_failures) for name, pool in self.pools.items()},
                 "fault/resent_publishes": float(self.resent_publishes)}
 
     def replaced_counts(self) -> dict[str, int]:

@@ -20,12 +20,13 @@ from cluster import checkpoint
 from cluster.evaluation import evaluate, evaluate_sets, load_eval_sets
 from cluster.learner_group import LearnerGroup
 from cluster.model_folder import fit_lengths_to_model, resolve_model_path
-from cluster.placement import create_placement, precheck_embedded
+from cluster.placement import (PlacementError, check_pool_sizes, create_placement, nodes_from_ray, precheck_embedded,
+                               resource_request)
 from cluster.pools import check_roles, start_pools
 from cluster.ray_setup import start_ray
 from cluster.autoscaler import Autoscaler, StepSignals
 from cluster.run_folder import RunFolder
-from cluster.scale_requests import ScaleInbox
+from cluster.scale_requests import DriverHeartbeat, ScaleInbox, check_size
 from cluster.shared_folder import check_run_folder_shared
 from cluster.supervisor import Supervisor
 from cluster.worker_pool import PoolContext, WorkerLost
@@ -117,6 +118,8 @@ class Trainer:
         # worker failure: health checks, replacements and bounded waits, pool by pool
         self.supervisor = Supervisor(cfg, self.controller, self.pools)
         self.autoscaler = Autoscaler(cfg.rollout.autoscale) if cfg.rollout.autoscale.enabled else None
+        self.requested_resources = False
+        """A resize asked Ray's autoscaler for resources (cluster.autoscaling); withdrawn at shutdown."""
         self.version = 0
         self.trained_group_ids: list[str] = []
         self.accuracy_before: float | None = None
@@ -192,6 +195,15 @@ class Trainer:
     def run(self) -> dict:
         cfg = self.cfg
         folder = RunFolder(cfg, resume_step=self.version if self.resume_from is not None else None)
+        # while it beats, `relayrl scale RUN_DIR` knows the job runs (cluster/scale_requests.py check_running)
+        heartbeat = DriverHeartbeat(folder.path).start()
+        try:
+            return self._run(folder)
+        finally:
+            heartbeat.stop()
+
+    def _run(self, folder: RunFolder) -> dict:
+        cfg = self.cfg
         if self.resume_from is None:
             self.accuracy_before = evaluate(self.rollout_workers, self.eval_prompts, self.reward_workers, cfg.reward,
                                             report=self.eval_before)
@@ -280,10 +292,38 @@ class Trainer:
     def scale(self, rollout_workers: int) -> float:
         """Resize the running job's rollout pool to `rollout_workers` (between two steps: new workers load the
         newest weights and pass the sync check before their first sample; leaving ones drain within
-        rollout.drain_timeout_s). Returns the seconds it took."""
+        rollout.drain_timeout_s). Returns the seconds it took. Raises ValueError, the pool unchanged, for a size
+        that is not a whole number >= 1 or that the cluster can never hold (`_check_room`); WorkerLost when new
+        workers did not start (the pool keeps those that did)."""
+        n = check_size("rollout", rollout_workers)
         start = time.perf_counter()
-        self.pools["rollout"].resize(rollout_workers, self.cfg.rollout.drain_timeout_s)
+        if n != len(self.rollout_workers):
+            self._check_room(n)
+        self.pools["rollout"].resize(n, self.cfg.rollout.drain_timeout_s)
         return time.perf_counter() - start
+
+    def _check_room(self, rollout_workers: int) -> None:
+        """Refuse a rollout pool the cluster's nodes can never hold beside the rest of the run (the launch plan with
+        the new size, cluster/placement.py). With cluster.autoscaling, ask Ray's autoscaler for the whole run at
+        the new size instead (`request_resources` replaces the run's previous request, so a shrink lets it
+        remove nodes too); the new workers then start when the nodes arrive."""
+        sizes = {"rollout": rollout_workers, **{name: len(self.pools[name].workers)
+                                                for name in ("reward", "reference") if name in self.pools}}
+        if self.cfg.cluster.autoscaling:
+            from ray.autoscaler.sdk import request_resources
+
+            bundles = resource_request(self.cfg, sizes)
+            request_resources(bundles=bundles)
+            self.requested_resources = True
+            log.warning("asked Ray's autoscaler for %d bundles (the run with %d rollout workers)", len(bundles),
+                        rollout_workers)
+            return
+        try:
+            check_pool_sizes(self.cfg, sizes, nodes_from_ray())
+        except PlacementError as err:
+            raise ValueError(f"{rollout_workers} rollout workers are more than this cluster can ever hold beside "
+                             f"the rest of the run: {err} If Ray's autoscaler adds nodes to this cluster, set "
+                             "cluster.autoscaling=true") from None
 
     def _autoscale(self, metrics: dict) -> dict[str, float]:
         """One decision of the rollout autoscaler (rollout.autoscale) on this step's numbers, applied at once;
@@ -311,7 +351,7 @@ class Trainer:
         if request is None:
             return
         try:
-            seconds = self.scale(request["rollout"])
+            seconds = self.scale(request.get("rollout"))
         except (ValueError, WorkerLost) as err:
             log.warning("scale request %s refused: %s", request, err)
             inbox.done(request, rollout=len(self.rollout_workers), error=str(err))
@@ -417,6 +457,10 @@ class Trainer:
         return accuracy
 
     def shutdown(self) -> None:
+        if self.requested_resources:  # the request persists until replaced: let the autoscaler remove the nodes
+            from ray.autoscaler.sdk import request_resources
+
+            request_resources(bundles=[])
         self.learner.shutdown()
         for pool in self.pools.values():
             pool.shutdown()

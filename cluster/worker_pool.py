@@ -7,7 +7,8 @@ bundle, a resize adds or removes slots at the end. The list is changed in place,
 stays valid. What differs by role is the subclass's: how one actor is built and probed, and what the controller
 is told after a change (`ScoringPool` for workers that score groups on their way to the queue; the rollout pool
 in cluster/rollout_pool.py; the critic group in cluster/critic_pool.py). The bookkeeping that needs no Ray
-(`WorkerIds`, `resize_plan`, `check_replacement_allowed`) is plain functions and classes, tested without it.
+(`WorkerIds`, `resize_plan`, `drop_slots`, `check_replacement_allowed`; `check_size` in
+cluster/scale_requests.py) is plain functions and classes, tested without it.
 """
 
 import logging
@@ -20,6 +21,7 @@ import ray
 
 from actors.counter_poll import CounterPoll
 from cluster.placement import Placement
+from cluster.scale_requests import check_size
 from protocols.config import RunConfig
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,18 @@ class WorkerIds:
     def remove(self) -> int:
         """The id of the last slot, which leaves."""
         return self.ids.pop()
+
+    def discard(self, slot: int) -> int:
+        """The id of `slot`, whose new worker never started: the slots after it move down one, and the id is
+        never given again (its worker may have reached the controller before it was killed)."""
+        return self.ids.pop(slot)
+
+
+def drop_slots(items: list, slots) -> None:
+    """Remove the entries of `slots` from a by-slot list in place (later slots move down): the new workers of a
+    resize that did not start, from every list the pool keeps by slot."""
+    for slot in sorted(set(slots), reverse=True):
+        del items[slot]
 
 
 @dataclass(frozen=True)
@@ -148,6 +162,8 @@ class WorkerPool:
         """Replacements over the run (a critic group restart counts once)."""
         self.restart_seconds: list[float] = []
         """Seconds each replacement took, from detection to the new worker serving."""
+        self.start_failures = 0
+        """New workers of a resize that did not start (an error in their start, or no resources in time)."""
         self._pings: dict[int, Any] = {}
         """Slot -> the ping in flight to its worker (`check`)."""
         plan = ctx.placement.plan if ctx.placement is not None else None
@@ -281,6 +297,36 @@ class WorkerPool:
                              f"fault.worker_start_timeout_s={limit}; raise it (an engine start can take minutes) "
                              "or check that the cluster has their resources") from err
 
+    def _start_new(self, slots: list[int]) -> dict[int, str]:
+        """Wait for the new workers of `slots` to answer their probe, together, within fault.worker_start_timeout_s.
+        Those that did not (their start raised, or the cluster had no room for them by then) are killed, counted
+        in `start_failures` and removed from `workers` (later slots move down; see `drop_slots`). Returns
+        {slot: why} of the failed ones; the pool then holds exactly the workers that serve."""
+        limit = self.cfg.fault.worker_start_timeout_s
+        refs = {s: getattr(self.workers[s], self.probe).remote() for s in slots}
+        _, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=limit)
+        failed = {}
+        for slot, ref in refs.items():
+            if ref in pending:
+                failed[slot] = (f"not serving within fault.worker_start_timeout_s={limit} s: the cluster had no room "
+                                "for it (see `ray status`), or its engine start takes longer (raise the timeout)")
+                continue
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as err:
+                failed[slot] = f"its start failed: {type(err).__name__}: {str(err).strip().splitlines()[-1][:300]}"
+        for slot in failed:
+            ray.kill(self.workers[slot])
+            log.warning("new %s worker in slot %d did not start: %s", self.name, slot, failed[slot])
+        drop_slots(self.workers, failed)
+        self.start_failures += len(failed)
+        return failed
+
+    @staticmethod
+    def _start_report(name: str, wanted: int, failed: dict[int, str], size: int) -> str:
+        why = "; ".join(sorted(set(failed.values())))
+        return f"{len(failed)} of {wanted} new {name} worker(s) did not start ({why}); the pool goes on with {size}"
+
     def _tell_controller(self, ref) -> None:
         ray.get(ref, timeout=self.cfg.fault.worker_start_timeout_s)
 
@@ -324,15 +370,16 @@ class ScoringPool(WorkerPool):
         """Grow: new workers start (past the placement's bundles with plain resources) and join the live list once
         they answer. Shrink: the last workers leave the live list first, then finish the calls already queued at
         them and exit; a group sent to one before its rollout worker learned the new list meets a dead worker and
-        is re-scored elsewhere, as after a death."""
-        if n < 1 or not self.workers:
-            raise ValueError(f"{self.name} pool resize to {n}: a running pool resizes to 1 or more workers, and a "
-                             f"role that is off ({self.name}.num_workers=0) cannot be turned on in a running job")
+        is re-scored elsewhere, as after a death. New workers that do not start are killed and counted
+        (`start_failures`); the others join, and WorkerLost then says which failed and the size the pool has."""
+        n = check_size(self.name, n)
+        if not self.workers:
+            raise ValueError(f"{self.name} pool resize to {n}: a role that is off ({self.name}.num_workers=0) cannot "
+                             "be turned on in a running job; start the job with it")
         plan = resize_plan(len(self.workers), n, self.bundles)
         first = len(self.workers)
         self.workers.extend(self.build(i) for i in plan.start)
-        if plan.start:
-            self._wait_serving(plan.start, "the new")
+        failed = self._start_new(plan.start) if plan.start else {}
         leaving = [self.workers.pop() for _ in plan.leave]
         for slot in plan.leave:
             self._pings.pop(slot, None)
@@ -345,4 +392,6 @@ class ScoringPool(WorkerPool):
             for worker in leaving:
                 ray.kill(worker)
         log.warning("%s pool resized from %d to %d workers (%s with plain resources, past the placement's bundles)",
-                    self.name, first, n, sorted(set(plan.start) - set(plan.in_bundles)) or "none")
+                    self.name, first, len(self.workers), sorted(set(plan.start) - set(plan.in_bundles)) or "none")
+        if failed:
+            raise WorkerLost(self._start_report(self.name, len(plan.start), failed, len(self.workers)))

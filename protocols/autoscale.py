@@ -18,11 +18,18 @@ class AutoscaleConfig(BaseModel):
     """The pool never grows past this. Workers past the launch placement's bundles start with plain resources
     wherever the cluster has room (on an autoscaling cluster, Ray's autoscaler adds nodes for them)."""
 
-    grow_wait_frac: float = Field(0.3, gt=0, le=1)
-    """Grow when the learner spends more than this share of its step waiting for a batch."""
+    grow_wait_frac: float = Field(0.1, gt=0, le=1)
+    """Grow when the learner spends more than this share of its step waiting for a batch. 0.1 keeps the learner
+    at least about 90% busy; a higher value lets it idle up to that share for good (at 0.3 the simulator's
+    growing-length run held the learner 81% busy)."""
 
-    shrink_wait_frac: float = Field(0.05, ge=0, lt=1)
+    shrink_wait_frac: float = Field(0.02, ge=0, lt=1)
     """Shrink only when the learner waits less than this share (and the queue is full or drops stale groups)."""
+
+    shrink_queue_batches: int = Field(2, ge=1)
+    """Shrink on a full queue only when it holds at least this many learner batches. One batch queued is what a
+    pool of the right size shows too (generation runs ahead within train.max_staleness); shrinking on it starved
+    the learner in the simulator's growing-length run (docs/elastic.md)."""
 
     patience_steps: int = Field(3, ge=1)
     """Steps in a row a signal must hold before the pool changes."""

@@ -68,6 +68,12 @@ class ClusterConfig(BaseModel):
     """Seconds to wait for Ray to reserve the placement groups. A plan that exceeds the cluster's totals is
     refused at once; this bounds the wait when other jobs hold the resources or an autoscaler adds nodes."""
 
+    autoscaling: bool = False
+    """The cluster adds nodes on demand (Ray's autoscaler: KubeRay with enableInTreeAutoscaling, the Ray cluster
+    launcher). A rollout resize past what the nodes hold then asks Ray for the missing workers' resources
+    (`ray.autoscaler.sdk.request_resources`) and waits for them within fault.worker_start_timeout_s; off, such a
+    resize is refused at once, naming what the cluster has."""
+
     @field_validator("learner_resources", "rollout_resources", "reward_resources")
     @classmethod
     def _custom_resources_only(cls, value: dict[str, float], info) -> dict[str, float]:

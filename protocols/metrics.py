@@ -62,8 +62,9 @@ SECTIONS: dict[str, str] = {
                "after a NaN or infinite loss, as learner/skipped_nonfinite), staleness_max (policy versions the "
                "batch's values lag behind), update_lost (an update lost with a dead critic rank)",
     "fault/": "the supervisor's counts since the run started: replaced_<role> (rollout, reward, reference, critic "
-              "workers replaced after they died) and resent_publishes (weight broadcasts sent again after a "
-              "rollout engine died in the collective)",
+              "workers replaced after they died), start_failures_<role> (new workers of a resize that did not "
+              "start: an engine error, or no room on the cluster in time) and resent_publishes (weight broadcasts "
+              "sent again after a rollout engine died in the collective)",
 }
 """Every name with a `/` belongs to one of these sections. Names without one are the objective's own
 (loss, pg_loss, kl, entropy, clip_frac*, ratio_*, is_*, grad_norm_max, num_tokens, policy_version, ...;

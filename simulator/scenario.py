@@ -6,11 +6,12 @@ result of a run. simulator/simulation.py runs it against the real controller and
 import functools
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from protocols.autoscale import AutoscaleConfig
 from simulator.tools import ToolScenario, mean_lengths
 
 
@@ -121,11 +122,41 @@ class SimulatorConfig(BaseModel):
     tools: ToolScenario | None = None
     """Multi-turn samples with tool calls (simulator/tools.py); None: single-turn, as before."""
 
+    length_growth: float = Field(0.0, ge=0, le=100)
+    """Response lengths grow over the run, as when a long chain-of-thought policy learns to reason: a group started
+    under policy version v has its lengths multiplied by 1 + length_growth * v / steps (capped at
+    max_response_tokens). 0: the same length distribution throughout."""
+
+    autoscale: AutoscaleConfig | None = None
+    """The rollout autoscaler (rollout.autoscale; cluster/autoscaler.py's own decisions) resizing the pool after
+    each learner step, from num_engines within its min_workers..max_workers (simulator/elastic.py). None: a fixed
+    pool of num_engines."""
+
+    engine_start_seconds: float = Field(30.0, ge=0)
+    """Seconds a new engine takes to start before it asks for weights and work (it counts as an engine
+    meanwhile: it holds its GPUs)."""
+
+    drain_timeout_s: float = Field(120.0, gt=0)
+    """rollout.drain_timeout_s: a leaving engine's groups still out after this are released (dropped
+    `rollout_worker_drained`) and it stops."""
+
+    resize_blocks_learner: bool = True
+    """As the driver applies a resize today (cluster/rollout_pool.py): between two steps, waiting for it (a grow
+    until the new engines serve, a shrink until the leaving engines drained), so the learner does not train
+    meanwhile. False: the resize goes on beside the learner."""
+
     @model_validator(mode="after")
     def _check(self) -> "SimulatorConfig":
         if self.warmup_steps >= self.steps:
             raise ValueError(f"warmup_steps={self.warmup_steps} leaves no measured step of steps={self.steps}; "
                              f"use warmup_steps < steps")
+        if self.tools is not None and (self.length_growth > 0 or self.autoscale is not None):
+            raise ValueError("length_growth and autoscale are not modelled with tools; use tools=None")
+        if self.autoscale is not None and not (self.autoscale.min_workers <= self.num_engines
+                                               <= self.autoscale.max_workers):
+            raise ValueError(f"num_engines={self.num_engines} is the autoscaled pool's launch size: it must lie in "
+                             f"autoscale.min_workers={self.autoscale.min_workers}..max_workers="
+                             f"{self.autoscale.max_workers}")
         if self.tools is not None and self.prompt_length_share > 0:
             raise ValueError(f"prompt_length_share={self.prompt_length_share} is not modelled with tools (their "
                              "capacity draws lengths without prompts); use 0 with tools")
@@ -268,6 +299,24 @@ class SimulationResult:
     """Tool calls that returned during the run (multi-turn scenarios)."""
     tool_seconds: float = 0.0
     """Seconds those calls ran, summed."""
+    measured_seconds: float = 0.0
+    """Simulated seconds of the measured steps (after warmup_steps)."""
+    engine_seconds: float = 0.0
+    """Engine-seconds over the measured steps: each engine from the moment it was asked for (starting engines hold
+    their GPUs) until it left."""
+    pool_sizes: list[int] = field(default_factory=list)
+    """The pool's size after each learner step (engines starting included, leaving ones not)."""
+    autoscale_reasons: dict[str, int] = field(default_factory=dict)
+    """The autoscaler's decisions by reason (cluster/autoscaler.py), over the run."""
+
+    @property
+    def tokens_per_engine_hour(self) -> float:
+        """Trained response tokens per engine-hour over the measured steps: what the pool's GPUs bought."""
+        return self.throughput * self.measured_seconds / self.engine_seconds * 3600
+
+    @property
+    def learner_busy_frac(self) -> float:
+        return 1.0 - self.learner_idle_frac
 
     @property
     def fraction_of_ideal(self) -> float:

@@ -146,6 +146,8 @@ class Simulation(ToolTurns):
         self.stopped = False
         self.now = 0.0
         self.tool_calls, self.tool_seconds = 0, 0.0
+        self.pool_sizes: list[int] = []
+        self.autoscale_reasons: Counter[str] = Counter()
 
     # --- event plumbing --------------------------------------------------------------------------------------
     def _push(self, t: float, kind: str, *payload) -> None:
@@ -175,8 +177,10 @@ class Simulation(ToolTurns):
                 self._synced(payload[0], now)
             elif kind == "tool":
                 self._tool_done(*payload, now)
-            else:
-                self._learner_done(now, *payload)
+            elif kind == "learned":
+                self._learner_done(now)
+            else:  # a subclass's event (simulator/elastic.py)
+                getattr(self, f"_on_{kind}")(now, *payload)
         return self._result()
 
     # --- engines (RolloutWorker.run's loop, its decisions taken by WorkerPolicy) --------------------------------
@@ -295,6 +299,9 @@ class Simulation(ToolTurns):
         g = self.cfg.samples_per_prompt
         lengths_of = self.prompt_lengths[int(prompt.prompt_id[4:])] if self.prompt_lengths else None
         lengths = [response_length(rng, self.cfg, lengths_of) for _ in range(g)]
+        if self.cfg.length_growth:  # the policy writes longer as it learns: by the version that samples the group
+            grown = 1.0 + self.cfg.length_growth * e.policy.loaded_version / self.cfg.steps
+            lengths = [min(self.cfg.max_response_tokens, round(n * grown)) for n in lengths]
         rate = prompt.metadata["success_rate"]
         rewards = [1.0 if rng.random() < rate else 0.0 for _ in range(g)]
         group = _Group(group_id, prompt, lengths, rewards, priority)
@@ -418,6 +425,8 @@ class Simulation(ToolTurns):
         stale = self.queued_ids - set(self.trained_ids) - set(waiting)
         dropped_ids = {**self.dropped_ids, "stale": sorted(stale, key=lambda g: int(g[1:]))}
         return SimulationResult(
+            measured_seconds=window, engine_seconds=self._engine_seconds(self.step_ends[w], self.step_ends[n]),
+            pool_sizes=list(self.pool_sizes), autoscale_reasons=dict(self.autoscale_reasons),
             throughput=tokens / window, capacities=capacities(cfg),
             learner_idle_frac=max(0.0, 1 - sum(self.step_seconds[w:n]) / window),  # float noise
             generated_tokens_per_s=(self.decoded_at_step[n] - self.decoded_at_step[w]) / window,
@@ -428,6 +437,11 @@ class Simulation(ToolTurns):
             controller_calls=dict(self.calls), finished_groups=self.finished,
             tool_calls=self.tool_calls, tool_seconds=self.tool_seconds,
             driver_calls={k: self.controller.calls[k] for k in ("take_batch", "publish")})
+
+
+    def _engine_seconds(self, start: float, end: float) -> float:
+        """Engine-seconds between `start` and `end`: a fixed pool's engines all run throughout."""
+        return self.cfg.num_engines * (end - start)
 
 
 def _stamp(start: int, length: int, changes: list[tuple[int, int]], chunk: int) -> list[int]:
@@ -449,6 +463,10 @@ def simulate(cfg: SimulatorConfig) -> SimulationResult:
     was_enabled = gc.isenabled()
     gc.disable()
     try:
+        if cfg.autoscale is not None:
+            from simulator.elastic import ElasticSimulation
+
+            return ElasticSimulation(cfg).run()
         return Simulation(cfg).run()
     finally:
         if was_enabled:

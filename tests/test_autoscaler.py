@@ -43,11 +43,13 @@ def test_a_signal_that_breaks_its_streak_starts_patience_again():
 
 def test_shrinks_when_the_learner_does_not_wait_and_the_queue_is_full_or_drops_stale_groups():
     scaler = Autoscaler(_cfg(patience_steps=2, cooldown_steps=0))
-    # wait 0.01 < shrink_wait_frac 0.05 and a whole batch (4 groups) queued: two such steps shrink 3 -> 2
-    assert scaler.decide(3, waiting(0.01, depth=4)) == (3, "hold")
-    assert scaler.decide(3, waiting(0.01, depth=4)) == (2, "shrink_queue_full")
-    # not waiting but the queue is short and nothing dropped: no reason to shrink
-    assert scaler.decide(2, waiting(0.01, depth=1)) == (2, "hold")
+    # wait 0.01 < shrink_wait_frac 0.02 and shrink_queue_batches=2 whole batches (8 groups) queued: two such steps
+    # shrink 3 -> 2
+    assert scaler.decide(3, waiting(0.01, depth=8)) == (3, "hold")
+    assert scaler.decide(3, waiting(0.01, depth=8)) == (2, "shrink_queue_full")
+    # not waiting but one batch queued (as a pool of the right size shows) and nothing dropped: no reason to shrink
+    assert scaler.decide(2, waiting(0.01, depth=4)) == (2, "hold")
+    assert scaler.decide(2, waiting(0.01, depth=7)) == (2, "hold")
     # stale drops growing (the running total 0 -> 3 -> 5) count as generation ahead of the learner
     assert scaler.decide(2, waiting(0.01, depth=1, stale=3)) == (2, "hold")
     assert scaler.decide(2, waiting(0.01, depth=1, stale=5)) == (1, "shrink_stale_drops")
@@ -55,6 +57,6 @@ def test_shrinks_when_the_learner_does_not_wait_and_the_queue_is_full_or_drops_s
 
 def test_thresholds_that_overlap_are_refused_with_the_fix():
     with pytest.raises(ConfigError, match="shrink_wait_frac=0.4 must be below grow_wait_frac=0.3"):
-        _cfg(shrink_wait_frac=0.4)
+        _cfg(shrink_wait_frac=0.4, grow_wait_frac=0.3)
     with pytest.raises(ConfigError, match="min_workers=3 is above max_workers=2: set min_workers <= max_workers"):
         _cfg(min_workers=3, max_workers=2)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.placement import Node, check_plan, plan_placement
+from cluster.placement import Node, PlacementError, check_plan, check_pool_sizes, plan_placement, resource_request
 from protocols.config import load_config
 from tests.conftest import REPO
 
@@ -38,11 +38,13 @@ def pod_groups(spec: dict) -> list[tuple[str, dict, dict, int]]:
     return groups
 
 
-def ray_nodes(spec: dict) -> list[Node]:
+def ray_nodes(spec: dict, replicas_of: dict[str, int] | None = None) -> list[Node]:
     """The Ray nodes the pods start: CPUs and GPUs from rayStartParams (else the container's limits), and the
-    custom resources KubeRay passes to `ray start --resources` (a JSON object inside quotes)."""
+    custom resources KubeRay passes to `ray start --resources` (a JSON object inside quotes). `replicas_of`: pods
+    of a group other than its `replicas` (what the autoscaler grew it to)."""
     nodes = []
     for name, params, pod, replicas in pod_groups(spec):
+        replicas = (replicas_of or {}).get(name, replicas)
         limits = pod["containers"][0]["resources"]["limits"]
         resources = {"CPU": float(params.get("num-cpus", limits["cpu"])),
                      "GPU": float(params.get("num-gpus", limits.get("nvidia.com/gpu", 0)))}
@@ -134,6 +136,30 @@ def test_seven_b_job_pins_learner_and_rollout_to_their_groups():
     _, cfg = entrypoint_config(doc)
     where = check_plan(plan_placement(cfg), ray_nodes(cluster_spec(doc)))
     assert set(where["learner"]) == {"learner-0"} and set(where["rollout"]) == {"rollout-0"}
+
+
+def test_the_long_lived_cluster_grows_a_rollout_group_for_a_larger_rollout_pool():
+    spec = yaml.safe_load((REPO / "deploy" / "kuberay" / "raycluster-gpu.yaml").read_text())["spec"]
+    assert spec["enableInTreeAutoscaling"] is True and spec["autoscalerOptions"]["idleTimeoutSeconds"] > 0
+    rollout = next(g for g in spec["workerGroupSpecs"] if g["groupName"] == "rollout")
+    assert rollout["minReplicas"] == rollout["replicas"] == 0 < rollout["maxReplicas"] == 4
+    cfg = load_config(REPO / "deploy" / "configs" / "qwen2.5-1.5b_2nodes.yaml", ["cluster.autoscaling=true"])
+    # the 1.5B job at launch (4 learner ranks + 12 engines = 16 GPUs) fits the two `gpu` pods, no rollout pod up
+    at_start = ray_nodes(spec)
+    check_plan(plan_placement(cfg), at_start)
+    # `relayrl scale --rollout-workers 20`: 24 GPUs, more than those pods hold (what a cluster without the
+    # autoscaler refuses) ...
+    with pytest.raises(PlacementError, match=r"rollout.num_workers=20 x rollout.tensor_parallel_size=1 \+ "
+                                             r"learner.num_ranks=4 = 24 GPUs; the cluster has 16"):
+        check_pool_sizes(cfg, {"rollout": 20}, at_start)
+    # ... so the job asks Ray for the whole run at 20 engines: 24 GPUs in one-GPU bundles, one rollout pod more
+    bundles = resource_request(cfg, {"rollout": 20})
+    assert sum(b.get("GPU", 0) for b in bundles) == 24 and max(b.get("GPU", 0) for b in bundles) == 1
+    check_pool_sizes(cfg, {"rollout": 20}, ray_nodes(spec, {"rollout": 1}))
+    # at maxReplicas (4 pods, 32 GPUs more) the group holds up to 12 + 32 = 44 engines, not 45
+    check_pool_sizes(cfg, {"rollout": 44}, ray_nodes(spec, {"rollout": 4}))
+    with pytest.raises(PlacementError, match="= 49 GPUs; the cluster has 48"):
+        check_pool_sizes(cfg, {"rollout": 45}, ray_nodes(spec, {"rollout": 4}))
 
 
 # --- SLURM ----------------------------------------------------------------------------------------------------

@@ -47,7 +47,8 @@ def three_nodes():
     try:
         ray.init(address=cluster.address, logging_level="WARNING",
                  runtime_env={"env_vars": {**QUIET_ENV, **TEST_ENV_VARS}})
-        yield {"head": cluster.head_node.node_id, "learner": learner.node_id, "rollout": rollout.node_id}
+        yield {"head": cluster.head_node.node_id, "learner": learner.node_id, "rollout": rollout.node_id,
+               "cluster": cluster}
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -60,6 +61,14 @@ def three_nodes():
 
 def _node_of(actor) -> str:
     return ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
+
+
+def _gcs_node_of(actor) -> str:
+    """The node of an actor busy in a long call (a rollout worker's `run`), which answers no other call meanwhile:
+    from the GCS actor table (the state API would need the dashboard, which these nodes do not start)."""
+    from ray._private.state import actors
+
+    return actors(actor._actor_id.hex())["Address"]["NodeID"]
 
 
 def test_plan_command_reads_the_live_nodes(three_nodes, capsys):
@@ -98,12 +107,34 @@ def test_gpu_placement_groups_reserve_on_the_pinned_nodes(three_nodes):
 
 
 def test_demo_job_trains_across_nodes(three_nodes, tmp_path):
+    """Also: a fourth raylet joins mid-run, `relayrl scale` grows the rollout pool onto it (the only node with a
+    free `rollout_node`), and shrinks it back before the end."""
+    from cli.main import main as cli_main
+
     cfg = load_config(None, [
         f"output_dir={tmp_path}", "logging.plots=false",
         "train.steps=20", "learner.prompts_per_step=16", "rollout.samples_per_prompt=8",
         "data.num_eval_prompts=20", "cluster.learner_resources={learner_node: 1}",
         "cluster.rollout_resources={rollout_node: 1}"])
     trainer = Trainer(cfg)
+    cluster, joined, seen = three_nodes["cluster"], [], {}
+    step = trainer.step
+
+    def step_then_scale(groups):
+        if trainer.version in (5, 14) and trainer.version not in seen:  # the request made after that step (below)
+            seen[trainer.version] = ([_gcs_node_of(w) for w in trainer.rollout_workers],
+                                     json.loads((tmp_path / "control" / "scale_done.json").read_text()))
+        metrics = step(groups)
+        if trainer.version == 5:
+            joined.append(cluster.add_node(num_cpus=2, resources={"rollout_node": 1},
+                                           object_store_memory=OBJECT_STORE_BYTES))
+            cluster.wait_for_nodes()
+        if trainer.version in (5, 14):
+            size = {5: 2, 14: 1}[trainer.version]
+            assert cli_main(["scale", str(tmp_path), "--rollout-workers", str(size), "--wait", "0"]) == 0
+        return metrics
+
+    trainer.step = step_then_scale
     try:
         learner_node = _node_of(trainer.learner.ranks[0])
         rollout_node = _node_of(trainer.rollout_workers[0])
@@ -112,8 +143,26 @@ def test_demo_job_trains_across_nodes(three_nodes, tmp_path):
         version, refs = latest.version, latest.refs
         # the newest weights, put by learner rank 0, now also sit in the rollout node's object store
         locations = ray.experimental.get_object_locations(refs)
+        worker_stats = ray.get(trainer.controller.get_worker_stats.remote())
     finally:
         trainer.shutdown()
+        for node in joined:  # the module's later tests plan on the three nodes
+            cluster.remove_node(node)
+    # the pool grew onto the node that joined mid-run: slot 1 there, under the new id 1; then it drained out
+    [new_node] = joined
+    (grown, grow_done), (shrunk, shrink_done) = seen[5], seen[14]
+    assert grown == [three_nodes["rollout"], new_node.node_id] and shrunk == [three_nodes["rollout"]]
+    assert (grow_done["rollout"], shrink_done["rollout"]) == (2, 1) and "error" not in grow_done
+    # the new worker loaded the weights and passed the sync check on what it loaded: its probe results reached the
+    # driver's WeightCheck (a gap over the tolerance stops the run), from a version after it joined
+    probes = worker_stats[1]["weight_probes"]
+    assert probes and min(p["version"] for p in probes) >= 5, probes
+    q = summary["queue"]
+    dropped = sum(v for k, v in q.items() if k.startswith("queue/dropped_"))
+    assert q["queue/admitted"] == q["queue/trained"] + dropped + q["queue/depth"], q
+    assert len(summary["trained_group_ids"]) == len(set(summary["trained_group_ids"])) == q["queue/trained"]
+    print(f"\nmulti-node: a node joined after step 5; grow 1 -> 2 onto it {grow_done['seconds']:.1f} s, "
+          f"drain 2 -> 1 {shrink_done['seconds']:.1f} s")
     # pinned by the custom resources: learner on its node, rollout worker on the other
     assert learner_node == three_nodes["learner"] and rollout_node == three_nodes["rollout"]
     assert version == 20

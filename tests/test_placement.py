@@ -190,3 +190,18 @@ def test_gpu_run_on_a_machine_without_gpus_is_refused_before_ray_starts(tmp_path
     assert ("cluster.use_gpus=true asks for rollout.num_workers=1 x rollout.tensor_parallel_size=1 + "
             "learner.num_ranks=1 = 2 GPUs; the cluster has 0") in done.stderr
     assert "Started a local Ray instance" not in done.stderr + done.stdout
+
+
+def test_a_rollout_resize_past_the_nodes_is_refused_with_the_numbers_and_one_that_fits_passes():
+    from cluster.placement import check_pool_sizes, resource_request
+
+    cfg = gpu_config("learner.num_ranks=2", "rollout.num_workers=2", "reward.num_workers=2")
+    # one 8-GPU node: 2 ranks + 6 engines of 1 GPU = 8 fits; 7 engines = 9 GPUs does not
+    check_pool_sizes(cfg, {"rollout": 6}, nodes(1, gpus=8))
+    with pytest.raises(PlacementError, match=r"rollout.num_workers=7 x rollout.tensor_parallel_size=1 \+ "
+                                             r"learner.num_ranks=2 = 9 GPUs; the cluster has 8 \(on 1 node\)"):
+        check_pool_sizes(cfg, {"rollout": 7}, nodes(1, gpus=8))
+    # what Ray's autoscaler is asked for: the whole run at the new size, one bundle per actor
+    # (2 learner ranks, 3 engines, 2 reward workers, in the plan's role order)
+    bundles = resource_request(cfg, {"rollout": 3, "reward": 2})
+    assert bundles == [{"CPU": 1.0, "GPU": 1.0}] * 2 + [{"CPU": 1.0, "GPU": 1.0}] * 3 + [{"CPU": 0.5}] * 2

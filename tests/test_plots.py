@@ -109,3 +109,30 @@ def test_a_run_with_tools_gets_the_tool_figures(tmp_path):
     assert png_size(paths[0])[1] > png_size(plot_run(write_run(tmp_path / "plain", steps=10))[0])[1]
     for path in paths:
         assert path.stat().st_size > 5000
+
+
+def test_a_resized_run_gets_the_rollout_pool_figure_with_its_sizes_and_decisions(tmp_path):
+    from matplotlib.figure import Figure
+
+    from cli.plots import load_metrics, panel_pool
+
+    run = write_run(tmp_path / "run", steps=6)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    # steps 1-6: the autoscaler grows 1 -> 2 at step 2 and 2 -> 3 at step 4, shrinks to 2 at step 6; one new worker
+    # failed to start at step 4 (a running total)
+    sizes, changes = [1, 2, 2, 3, 3, 2], [0, 1, 0, 1, 0, -1]
+    for row, size, change in zip(rows, sizes, changes):
+        row.update({"rollout/num_workers": float(size), "autoscale/size": float(size),
+                    "autoscale/change": float(change), "autoscale/wait_frac": 0.2,
+                    "fault/start_failures_rollout": float(row["step"] >= 4)})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    paths = plot_run(run)
+    assert paths[-1].name == "rollout_pool.png" and png_size(paths[-1])[0] > 300
+    ax = Figure().subplots()
+    assert panel_pool(ax, *load_metrics(run))
+    lines = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()}
+    assert lines["rollout/num_workers"] == ([1, 2, 3, 4, 5, 6], sizes)
+    assert lines["autoscaler grew"] == ([2, 4], [2, 3]) and lines["autoscaler shrank"] == ([6], [2])
+    assert lines["start failures (total)"][1] == [0, 0, 0, 1, 1, 1]
+    # a run at one size without the autoscaler draws no pool figure
+    assert "rollout_pool.png" not in [p.name for p in plot_run(write_run(tmp_path / "fixed", steps=6))]

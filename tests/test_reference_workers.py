@@ -193,6 +193,8 @@ def test_grpo_run_trains_on_streamed_ref_logprobs_without_a_learner_copy(ray_clu
             trainer.pools["reward"].resize(size)
             resized[trainer.version] = {"reward_s": time.monotonic() - t0}
             assert cli_main(["scale", str(tmp_path), "--rollout-workers", str(size), "--wait", "0"]) == 0
+        if trainer.version == 3:  # more than the local cluster can ever hold: refused by the driver, the run unharmed
+            assert cli_main(["scale", str(tmp_path), "--rollout-workers", "1000", "--wait", "0"]) == 0
         return metrics
 
     trainer.step = step_then_resize
@@ -223,6 +225,11 @@ def test_grpo_run_trains_on_streamed_ref_logprobs_without_a_learner_copy(ray_clu
     logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [line["rollout/num_workers"] for line in logged] == [1.0, 2.0, 1.0]  # logged before each request's apply
     assert grown["ids"] == [0, 1] and shrunk["ids"] == [0]
+    refused = json.loads((tmp_path / "control" / "scale_done.json").read_text())
+    assert (refused["id"], refused["rollout"]) == (3, 1) and refused["error"].startswith(
+        "1000 rollout workers are more than this cluster can ever hold beside the rest of the run: "
+        "rollout.num_workers=1000 x cluster.rollout_cpus=1 + "), refused
+    assert not (tmp_path / "control" / "driver.json").exists()  # the loop ended: `relayrl scale` says so
     assert grown["controller"][:3] == (grown["reward_workers"], 2, []) and len(grown["reward_workers"]) == 2
     assert shrunk["controller"][:3] == (shrunk["reward_workers"], 1, [1])
     assert shrunk["reward_workers"] == grown["reward_workers"][:1]  # the launch worker stays

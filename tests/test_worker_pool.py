@@ -6,7 +6,8 @@ import pytest
 from actors.controller import SyncRequest
 from cluster.pools import ROLES
 from cluster.supervisor import Supervisor
-from cluster.worker_pool import PoolContext, WorkerIds, WorkerLost, check_replacement_allowed, resize_plan
+from cluster.scale_requests import check_size
+from cluster.worker_pool import PoolContext, WorkerIds, WorkerLost, check_replacement_allowed, drop_slots, resize_plan
 from protocols.config import load_config
 from tests.test_control_plane import controller
 from tests.test_replay_queue import make_group
@@ -40,6 +41,34 @@ def test_resize_plan_starts_at_the_end_in_bundles_first_and_drains_from_the_end(
     assert (same.start, same.leave) == ([], [])
 
 
+def test_a_resize_whose_middle_worker_fails_keeps_the_others_in_order_and_retires_its_id():
+    # 2 -> 5: slots 2, 3, 4 start with ids 2, 3, 4; slot 3's engine fails to start
+    ids, workers, run_refs = WorkerIds(2), ["w0", "w1"], ["r0", "r1"]
+    for slot in resize_plan(2, 5, bundles=2).start:
+        workers.append(f"w{ids.add()}")
+        run_refs.append(None)  # its run starts once it loaded the weights
+    failed = {3: "its start failed"}
+    drop_slots(workers, failed)
+    drop_slots(run_refs, failed)
+    assert [ids.discard(slot) for slot in sorted(failed, reverse=True)] == [3]
+    # 4 slots, each list the same length: the pool's size is the workers it has; slot 4's worker moved to slot 3
+    assert workers == ["w0", "w1", "w2", "w4"] and ids.ids == [0, 1, 2, 4] and run_refs == ["r0", "r1", None, None]
+    # the next new slot (4) would take id 4, used: 4 + the stride (the launch size, 2) = 6; id 3 is never given again
+    assert ids.add() == 6 and 3 not in ids.ids
+
+
+def test_a_pool_size_is_a_whole_number_of_at_least_one_worker():
+    assert check_size("rollout", 3) == 3
+    with pytest.raises(ValueError, match=r"rollout pool resize to 0: a running job keeps at least one rollout worker"):
+        check_size("rollout", 0)
+    with pytest.raises(ValueError, match=r"rollout pool resize to 2.5: a size is a whole number of workers, got "
+                                         r"float; give an integer >= 1"):
+        check_size("rollout", 2.5)
+    for bad in ("3", True, None):  # a hand-written request file's string, a flag, nothing
+        with pytest.raises(ValueError, match="a size is a whole number of workers"):
+            check_size("reward", bad)
+
+
 def test_the_replacement_limit_names_the_role_the_count_and_the_setting():
     check_replacement_allowed("reward", 1, replaced=2, max_replacements=3, err=RuntimeError())  # the 3rd: allowed
     with pytest.raises(WorkerLost, match=r"^reward worker 1 died \(RuntimeError\) after 3 replacements of reward "
@@ -64,6 +93,7 @@ class StandInPool:
         self.restart_seconds = [1.5] * replaced
         self.calls = calls if calls is not None else []
         self.resent_publishes = 0
+        self.start_failures = 0
 
     def handles(self) -> list:
         return list(self._handles)
@@ -82,8 +112,11 @@ def test_the_supervisor_loops_over_pools_in_order_and_counts_by_role():
     assert calls == ["critic", "reward", "rollout"]
     assert sup.replaced_counts() == {"critic": 0, "reward": 2, "rollout": 1}
     assert sup.replaced["reward"] == 2 and sup.replaced["teacher"] == 0  # a role that is not there counts 0
+    pools["rollout"].start_failures = 1
     assert sup.metrics() == {"fault/replaced_critic": 0.0, "fault/replaced_reward": 2.0,
-                             "fault/replaced_rollout": 1.0, "fault/resent_publishes": 0.0}
+                             "fault/replaced_rollout": 1.0, "fault/resent_publishes": 0.0,
+                             "fault/start_failures_critic": 0.0, "fault/start_failures_reward": 0.0,
+                             "fault/start_failures_rollout": 1.0}
     assert sup.restart_seconds == [1.5, 1.5, 1.5] and sup.workers("reward") == ["r0", "r1"]
     # what a new rollout worker is given: every pool that scores groups, by its RolloutWorker keyword
     ctx = PoolContext(load_config(None, []), controller=None, placement=None, model_path="unused", pools=pools)
