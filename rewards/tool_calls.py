@@ -105,7 +105,7 @@ def parse_call(turn_text: str, cfg: ToolsConfig) -> ParsedCall | MalformedCall |
 
 
 def _parse_json(body: str) -> ParsedCall | MalformedCall:
-    depth = _json_depth(body)
+    depth = json_depth(body)
     if depth > MAX_JSON_DEPTH:
         return MalformedCall(f"JSON call nested {depth} levels deep; at most {MAX_JSON_DEPTH}")
     try:
@@ -121,7 +121,7 @@ def _parse_json(body: str) -> ParsedCall | MalformedCall:
     return ParsedCall(name.strip(), _argument_text(call.get("arguments", "")))
 
 
-def _json_depth(text: str) -> int:
+def json_depth(text: str) -> int:
     """The deepest nesting of `[ ]` and `{ }` in JSON text, brackets inside strings not counted: `{"a": [1]}` is
     2. Linear in the text, and never recursive (it is what keeps the decoder's recursion bounded)."""
     brackets = _NOT_A_BRACKET.sub("", _JSON_STRING.sub("", text))
