@@ -25,11 +25,14 @@ is not prefix-stable after the reply (extend); the template's rendering is not t
 
 @dataclass(frozen=True)
 class ChatCall:
-    """What a chat call asks for: OpenAI messages, tools and the chat template's extra arguments."""
+    """What a chat call asks for: OpenAI messages, tools and the chat template's extra arguments; or, for a
+    /v1/completions call, the prompt's ids (no messages)."""
 
     messages: Sequence[Mapping[str, Any]]
     tools: list[dict] | None = None
     template_args: Mapping[str, Any] = field(default_factory=dict)
+    prompt_ids: tuple[int, ...] | None = None
+    """A completions call's prompt as ids; None for a chat call."""
 
 
 @dataclass(frozen=True)
@@ -87,13 +90,21 @@ class Episode:
         self._keys: list[_Key] = []
         self.counts: Counter = Counter({"calls": 0, "retries": 0, **{f"splits_{r}": 0 for r in SPLIT_REASONS}})
 
-    def plan(self, call: ChatCall) -> PromptPlan:
-        """The prompt for `call` (nothing is recorded until `record`)."""
-        key = _key(call)
+    def _retry(self, key: "_Key") -> PromptPlan | None:
         for earlier, k in zip(reversed(self.calls), reversed(self._keys)):
             if k == key:
                 return PromptPlan(earlier.plan.prompt_ids, earlier.plan.parent, retry_of=earlier.plan.retry_of
                                   if earlier.plan.retry_of is not None else earlier.index)
+        return None
+
+    def plan(self, call: ChatCall) -> PromptPlan:
+        """The prompt for `call` (nothing is recorded until `record`)."""
+        if call.prompt_ids is not None:
+            return self._plan_completion(call)
+        key = _key(call)
+        retry = self._retry(key)
+        if retry is not None:
+            return retry
         prefix = [(c, k) for c, k in zip(self.calls, self._keys)
                   if len(key.messages) > len(k.messages)
                   and key.messages[: len(k.messages) + 1] == (*k.messages, canonical_message(c.reply))]
@@ -126,6 +137,17 @@ class Episode:
         closed = parent.sampled_ids[-len(end):] == end
         return PromptPlan([*parent.ids, *([] if closed else end), *delta], parent.index)
 
+    def _plan_completion(self, call: ChatCall) -> PromptPlan:
+        """A completions call brings its own ids: it joins the call with the longest ids that start them."""
+        retry = self._retry(_key(call))
+        if retry is not None:
+            return retry
+        ids = list(call.prompt_ids)
+        parents = [c for c in self.calls if len(c.ids) <= len(ids) and ids[: len(c.ids)] == c.ids]
+        if parents:
+            return PromptPlan(ids, max(parents, key=lambda c: (len(c.ids), c.index)).index)
+        return PromptPlan(ids, None, "edited_history" if self.calls else None)
+
     def record(self, call: ChatCall, plan: PromptPlan, reply: dict, sampled_ids: list[int],
                behavior_logprobs: list[float], token_versions: list[int],
                finish_reason: Literal["stop", "length"]) -> CallRecord:
@@ -145,5 +167,7 @@ class Episode:
 
 
 def _key(call: ChatCall) -> _Key:
+    if call.prompt_ids is not None:
+        return _Key(("completion", *call.prompt_ids), "", "")
     return _Key(tuple(canonical_message(m) for m in call.messages), canonical_key(call.tools),
                 canonical_key(dict(call.template_args)))
