@@ -86,7 +86,10 @@ def build_app(book: SessionBook, inbox: CallInbox, settings: ServeSettings, base
     @app.post("/sessions")
     async def create_session(request: Request):
         body = await _json_body(request)
-        session = book.create(body.get("group"), int(body.get("group_size", 1)), body.get("timeout_s"))
+        timeout = body.get("timeout_s")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise SessionError(400, f"timeout_s={timeout!r}: a positive number of seconds")
+        session = book.create(body.get("group"), body.get("group_size"), timeout)
         return {"session_id": session.session_id, "api_key": session.api_key,
                 "base_url": f"{base_url[0]}/sessions/{session.session_id}/v1",
                 "expires_in_s": round(session.deadline - book.clock(), 3)}

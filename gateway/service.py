@@ -28,7 +28,8 @@ class GatewayService:
     def __init__(self, cfg: RunConfig, tokenizer: Any, worker_id: int, make_params: Callable[[int], Any]) -> None:
         check_supported(cfg)
         g = cfg.gateway
-        self.book = SessionBook(ChatRenderer(tokenizer), g.history, g.max_sessions, g.session_timeout_s, worker_id)
+        self.book = SessionBook(ChatRenderer(tokenizer), g.history, g.max_sessions, g.session_timeout_s,
+                                cfg.rollout.samples_per_prompt, worker_id)
         self.inbox = CallInbox(make_params)
         settings = ServeSettings(
             model_name=g.model_name, max_tokens=g.max_tokens or cfg.rollout.max_response_tokens,

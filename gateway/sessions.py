@@ -4,8 +4,11 @@ groups from `take_groups`, from its own thread.
 
 A session is trained once it has its reward (POST /sessions/{id}/reward, which also finishes it). A session that
 finishes without one (POST /finish, or its deadline) or that lost a call (an engine abort, a client that left
-mid-call) is not trained, and is counted. Sessions created with the same `group` key form one group of
-`group_size` sessions (group baselines compare them); a group goes on once all its sessions have finished."""
+mid-call) is not trained, and is counted. Sessions created with the same `group` key (the same task, sampled
+several times) form one group of `group_size` sessions, whose baseline compares them; sessions created without a
+key fill anonymous groups in arrival order. A group goes on once all its sessions have finished, if it holds
+exactly `train_group_size` samples (the learner's group size, rollout.samples_per_prompt); otherwise it is
+dropped and counted (`groups_wrong_size`): an untrained session or a split episode changes the count."""
 
 import math
 import queue
@@ -24,11 +27,11 @@ KEEP_FINISHED_S = 600.0
 """A finished session is remembered this long (a late call or reward is answered 410, not 404), then forgotten."""
 COUNTER_NAMES = ("sessions", "sessions_rewarded", "sessions_no_reward", "sessions_lost", "calls", "calls_refused",
                  "calls_lost", "tool_parse_failures", "clamped_max_tokens", "ignored_sampling", "samples",
-                 "retries", "retry_orphans", "groups", *(f"splits_{r}" for r in SPLIT_REASONS))
+                 "retries", "retry_orphans", "groups", "groups_wrong_size", *(f"splits_{r}" for r in SPLIT_REASONS))
 """`counts` keys, all present from the start: sessions opened, trained, finished without reward, lost; calls
 served, refused (429), lost; replies whose tool calls did not parse; requests whose max_tokens was lowered or whose
 temperature/top_p/n/stop were overridden by the run's; samples and groups handed to training; retried calls and
-the orphans dropped; new segments by reason."""
+the orphans dropped; groups trained and groups dropped for their size; new segments by reason."""
 
 
 class SessionError(Exception):
@@ -44,7 +47,7 @@ class SessionError(Exception):
 class Session:
     session_id: str
     api_key: str
-    group: str
+    group: "_Group"
     deadline: float
     """time.monotonic() past which the session is finished."""
     episode: Episode
@@ -59,13 +62,18 @@ class Session:
 @dataclass
 class _Group:
     size: int
+    group_id: str
+    """Unique over the run: `session-group/<worker>/<serial>/<key>` (a key may be reused once its group went on)."""
     sessions: list[Session] = field(default_factory=list)
 
 
 class SessionBook:
     def __init__(self, renderer: ChatRenderer, history: HistoryMode, max_sessions: int, timeout_s: float,
-                 worker_id: int = 0, clock=time.monotonic) -> None:
+                 train_group_size: int = 1, worker_id: int = 0, clock=time.monotonic) -> None:
         self.renderer = renderer
+        self.train_group_size = train_group_size
+        self._anonymous: _Group | None = None
+        self._serial = 0
         self.history = history
         self.max_sessions = max_sessions
         self.timeout_s = timeout_s
@@ -82,26 +90,44 @@ class SessionBook:
     def open_sessions(self) -> int:
         return sum(not s.finished for s in self.sessions.values())
 
-    def create(self, group: str | None = None, group_size: int = 1, timeout_s: float | None = None) -> Session:
+    def create(self, group: str | None = None, group_size: int | None = None,
+               timeout_s: float | None = None) -> Session:
+        """A new session in `group` (None: the open anonymous group) of `group_size` sessions (None: the
+        learner's group size)."""
         self.sweep()
         if self.open_sessions >= self.max_sessions:
             raise SessionError(429, f"{self.max_sessions} sessions are open (gateway.max_sessions); retry later")
-        if not 1 <= group_size <= 1024:
-            raise SessionError(400, f"group_size={group_size}: a group has 1 to 1024 sessions")
+        group_size = self.train_group_size if group_size is None else group_size
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or not 1 <= group_size <= 1024:
+            raise SessionError(400, f"group_size={group_size!r}: a group has 1 to 1024 sessions")
+        if group is not None and not isinstance(group, str):
+            raise SessionError(400, f"group={group!r}: a group key is a string")
         session_id = secrets.token_hex(8)
         key = f"sk-relayrl-{secrets.token_urlsafe(24)}"
-        group = group or f"session-{session_id}"
-        g = self.groups.setdefault(group, _Group(group_size))
+        if group is None:
+            g = self._anonymous
+            if g is None or len(g.sessions) >= g.size or g.size != group_size:
+                g = self._anonymous = self._new_group("anonymous", group_size)
+        else:
+            g = self.groups.get(group) or self._new_group(group, group_size)
         if g.size != group_size or len(g.sessions) >= g.size:
             raise SessionError(409, f"group {group!r} has size {g.size} and {len(g.sessions)} sessions; a group's "
                                "sessions share one group_size and it cannot grow past it")
         timeout = self.timeout_s if timeout_s is None else min(float(timeout_s), self.timeout_s)
-        session = Session(session_id, key, group, self.clock() + timeout, Episode(self.renderer, self.history))
+        session = Session(session_id, key, g, self.clock() + timeout, Episode(self.renderer, self.history))
         g.sessions.append(session)
         self.sessions[session_id] = session
         self.by_key[key] = session
         self.counts["sessions"] += 1
         return session
+
+    def _new_group(self, key: str, size: int) -> _Group:
+        self._serial += 1
+        g = _Group(size, f"session-group/{self.worker_id}/{self._serial}/{key}")
+        self.groups[g.group_id] = g
+        if key != "anonymous":
+            self.groups[key] = g
+        return g
 
     def get(self, session_id: str | None, api_key: str | None) -> Session:
         """The session a request names: by id (the key must match) or, with no id, by its key alone."""
@@ -156,30 +182,33 @@ class SessionBook:
         for name, value in session.episode.counts.items():
             if name.startswith("splits_") or name == "retries":
                 self.counts[name] += value
-        group = self.groups[session.group]
+        group = session.group
         if len(group.sessions) == group.size and all(s.finished for s in group.sessions):
-            self._emit(session.group, group)
+            self._emit(group)
 
     def lose_call(self, session: Session) -> None:
         """A call that did not reach its client (engine abort, disconnect): the session is not trained."""
         session.lost = True
         self.counts["calls_lost"] += 1
 
-    def _emit(self, name: str, group: _Group) -> None:
-        del self.groups[name]
+    def _emit(self, group: "_Group") -> None:
+        for name in [k for k, g in self.groups.items() if g is group]:
+            del self.groups[name]
         trajectories = []
         for s in group.sessions:
             if s.lost or s.reward is None:
                 continue
             samples, counts = episode_samples(
-                s.episode.calls, f"session/{s.session_id}", f"session-group/{name}", s.reward, s.info,
+                s.episode.calls, f"session/{s.session_id}", group.group_id, s.reward, s.info,
                 first_index=len(trajectories), worker_id=self.worker_id, correct=bool(s.info.get("correct", False)))
             trajectories += samples
             self.counts["retry_orphans"] += counts["retry_orphans"]
-        if trajectories:
+        if trajectories and len(trajectories) != self.train_group_size:
+            self.counts["groups_wrong_size"] += 1
+        elif trajectories:
             self.counts["samples"] += len(trajectories)
             self.counts["groups"] += 1
-            self.finished_groups.put(TrajectoryGroup(group_id=f"session-group/{name}", trajectories=trajectories))
+            self.finished_groups.put(TrajectoryGroup(group_id=group.group_id, trajectories=trajectories))
 
     def sweep(self) -> None:
         """Finish the sessions past their deadline (no calls in flight: a call in flight ends first)."""

@@ -25,6 +25,8 @@ TOOLS = [{"type": "function", "function": {"name": "calc", "description": "Evalu
                                                           "properties": {"e": {"type": "string"}}}}}]
 MAX_CALLS = 3
 MAX_SESSIONS = 1000
+VERSION = [0]
+"""The policy version the engine thread stamps tokens with (a test moves it, as a weight load would)."""
 
 
 def build_chat_model(folder) -> str:
@@ -77,14 +79,15 @@ def endpoint(tmp_path_factory):
     path = build_chat_model(tmp_path_factory.mktemp("chat_model"))
     cfg = RunConfig.model_validate({
         "output_dir": str(tmp_path_factory.mktemp("run")), "model": {"path": path},
-        "data": {"max_prompt_tokens": 1536}, "rollout": {"max_response_tokens": 32, "max_num_seqs": 8},
+        "data": {"max_prompt_tokens": 1536}, "rollout": {"max_response_tokens": 32, "max_num_seqs": 8, "samples_per_prompt": 2},
         "gateway": {"enabled": True, "max_calls_in_flight": MAX_CALLS, "max_sessions": MAX_SESSIONS},
         "weight_sync": {"verify_every": 0}})
     env, affinity, threads = dict(os.environ), os.sched_getaffinity(0), torch.get_num_threads()
     worker = RolloutWorker(cfg, 0, path)
     recording = RecordingEngine(worker.decoding.engine)
     worker.decoding.engine = recording
-    loop = EngineThread(worker.decoding, worker.gateway.inbox, lambda: worker.version).start()
+    VERSION[0] = worker.version
+    loop = EngineThread(worker.decoding, worker.gateway.inbox, lambda: VERSION[0]).start()
     yield worker, loop, recording, path
     loop.stop()
     worker.gateway.stop()
@@ -112,7 +115,8 @@ def test_an_openai_sdk_episode_is_one_sample_of_exactly_the_engine_log(endpoint)
 
     worker, loop, recording, path = endpoint
     url = worker.gateway.url
-    s = new_session(url)
+    # two sessions of one task: the learner's group (rollout.samples_per_prompt=2)
+    s, other = new_session(url, group="t1"), new_session(url, group="t1")
     client = openai.OpenAI(base_url=s["base_url"], api_key=s["api_key"], max_retries=0)
     assert [m.id for m in client.models.list()] == ["relayrl"]
     logged = len(recording.log)
@@ -135,10 +139,15 @@ def test_an_openai_sdk_episode_is_one_sample_of_exactly_the_engine_log(endpoint)
     r = httpx.post(f"{url}/sessions/{s['session_id']}/reward", json={"reward": {"reward": 1.0, "correct": True}},
                    headers={"Authorization": f"Bearer {s['api_key']}"})
     assert r.status_code == 200 and r.json()["calls"] == 3
-    (group,) = worker.gateway.take_groups()
-    (t,) = group.trajectories
     log = recording.log[logged:]
     assert len(log) == 3
+    openai.OpenAI(base_url=other["base_url"], api_key=other["api_key"], max_retries=0).chat.completions.create(
+        model="any", messages=[{"role": "user", "content": "what is 12*3?"}], max_tokens=4)
+    httpx.post(f"{url}/sessions/{other['session_id']}/reward", json={"reward": 0},
+               headers={"Authorization": f"Bearer {other['api_key']}"})
+    (group,) = worker.gateway.take_groups()
+    t, t_other = group.trajectories
+    assert (t_other.reward, t_other.sample_index) == (0.0, 1)
     # one sample: the last call's prompt and sampled ids, which start with each earlier call's prompt + sampled
     (p1, s1), (p2, s2), (p3, s3) = log
     assert p2[: len(p1) + len(s1)] == p1 + s1 and p3[: len(p2) + len(s2)] == p2 + s2
@@ -257,3 +266,32 @@ def test_a_session_past_its_deadline_is_finished_untrained(endpoint):
     r = httpx.post(f"{worker.gateway.url}/sessions/{s['session_id']}/reward", json={"reward": 1},
                    headers={"Authorization": f"Bearer {s['api_key']}"})
     assert r.status_code == 410
+
+
+def test_a_weight_update_mid_call_stamps_the_later_tokens_and_the_client_sees_no_abort(endpoint):
+    worker, loop, recording, _ = endpoint
+    s = new_session(worker.gateway.url)
+    client = openai.OpenAI(base_url=s["base_url"], api_key=s["api_key"], max_retries=0)
+    decoding, inbox = worker.decoding, worker.gateway.inbox
+    for _ in range(5):  # a random model may stop (EOS) within the steps below; then the call is made again
+        loop.pause()
+        replies: list = []
+        th = threading.Thread(target=lambda: replies.append(client.chat.completions.create(
+            model="any", messages=[{"role": "user", "content": "count"}], max_tokens=12)))
+        th.start()
+        while inbox.in_flight < 1:
+            threading.Event().wait(0.01)
+        inbox.pump(decoding)
+        for _ in range(3):  # the prefill step samples the first token, then one token a step: 3 at version v
+            decoding.step(VERSION[0])
+        VERSION[0] += 1  # the weights change between two steps; the call goes on
+        loop.resume()
+        th.join(60)
+        (reply,) = replies
+        session = worker.gateway.book.sessions[s["session_id"]]
+        versions = session.episode.calls[-1].token_versions
+        if len(versions) > 3:
+            break
+    v = VERSION[0]
+    assert versions == [v - 1] * 3 + [v] * (len(versions) - 3)
+    assert reply.choices[0].finish_reason in ("stop", "length")
