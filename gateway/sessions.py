@@ -23,6 +23,8 @@ from gateway.episode import SPLIT_REASONS, Episode, HistoryMode
 from gateway.episode_samples import episode_samples
 from protocols.trajectory import TrajectoryGroup
 
+SESSION_GROUP_PREFIX = "session-group/"
+"""Group ids of sessions start with this (the controller admits such a group when it arrives)."""
 KEEP_FINISHED_S = 600.0
 """A finished session is remembered this long (a late call or reward is answered 410, not 404), then forgotten."""
 COUNTER_NAMES = ("sessions", "sessions_rewarded", "sessions_no_reward", "sessions_lost", "calls", "calls_refused",
@@ -123,7 +125,7 @@ class SessionBook:
 
     def _new_group(self, key: str, size: int) -> _Group:
         self._serial += 1
-        g = _Group(size, f"session-group/{self.worker_id}/{self._serial}/{key}")
+        g = _Group(size, f"{SESSION_GROUP_PREFIX}{self.worker_id}/{self._serial}/{key}")
         self.groups[g.group_id] = g
         if key != "anonymous":
             self.groups[key] = g

@@ -220,3 +220,15 @@ def test_an_episode_sample_round_trips_and_plain_records_are_unchanged(tok):
     plain = Trajectory.model_validate(t.model_dump(exclude={"context_spans"}))
     assert "context_spans" not in plain.model_dump() and "context_spans" not in pickle.dumps(plain).decode("latin1")
     assert t.response_text.startswith("ab ")
+
+
+def test_completions_calls_join_where_their_ids_start_with_an_earlier_calls(tok):
+    episode = Episode(ChatRenderer(tok))
+    p0, _ = serve(episode, ChatCall([], prompt_ids=(5, 6, 7)), [8, 9], 0)
+    p1, _ = serve(episode, ChatCall([], prompt_ids=(5, 6, 7, 8, 9, 10)), [11], 0)
+    p2, _ = serve(episode, ChatCall([], prompt_ids=(5, 6, 4)), [12], 0)
+    assert (p0.parent, p1.parent, p2.parent, p2.split_reason) == (None, 0, None, "edited_history")
+    samples, _ = episode_samples(episode.calls, "ep", "g", 0.0)
+    # [5 6 7] + sampled [8 9] + inserted [10] + sampled [11]; then [5 6 4] + [12]
+    assert [(s.prompt.prompt_token_ids, s.response_token_ids, s.loss_mask) for s in samples] == [
+        ([5, 6, 7], [8, 9, 10, 11], [True, True, False, True]), ([5, 6, 4], [12], [True])]
