@@ -28,8 +28,11 @@ class GatewayService:
     def __init__(self, cfg: RunConfig, tokenizer: Any, worker_id: int, make_params: Callable[[int], Any]) -> None:
         check_supported(cfg)
         g = cfg.gateway
+        folder = Path(cfg.output_dir) / "gateway"
+        folder.mkdir(parents=True, exist_ok=True)
         self.book = SessionBook(ChatRenderer(tokenizer), g.history, g.max_sessions, g.session_timeout_s,
-                                cfg.rollout.samples_per_prompt, worker_id)
+                                cfg.rollout.samples_per_prompt, worker_id,
+                                records=folder / f"episodes-worker-{worker_id}.jsonl")
         self.inbox = CallInbox(make_params)
         settings = ServeSettings(
             model_name=g.model_name, max_tokens=g.max_tokens or cfg.rollout.max_response_tokens,
@@ -41,7 +44,8 @@ class GatewayService:
         self._write_url(cfg.output_dir)
 
     def _write_url(self, output_dir: str) -> None:
-        """`RUN/gateway/worker-<id>.json` names this worker's endpoint, for agent programs to find it."""
+        """`RUN/gateway/worker-<id>.json` names this worker's endpoint, for agent programs to find it (its
+        sessions' records go to `episodes-worker-<id>.jsonl` beside it)."""
         folder = Path(output_dir) / "gateway"
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"worker-{self.worker_id}.json").write_text(

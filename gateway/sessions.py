@@ -10,12 +10,14 @@ key fill anonymous groups in arrival order. A group goes on once all its session
 exactly `train_group_size` samples (the learner's group size, rollout.samples_per_prompt); otherwise it is
 dropped and counted (`groups_wrong_size`): an untrained session or a split episode changes the count."""
 
+import json
 import math
 import queue
 import secrets
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from gateway.chat_render import ChatRenderer
@@ -71,8 +73,11 @@ class _Group:
 
 class SessionBook:
     def __init__(self, renderer: ChatRenderer, history: HistoryMode, max_sessions: int, timeout_s: float,
-                 train_group_size: int = 1, worker_id: int = 0, clock=time.monotonic) -> None:
+                 train_group_size: int = 1, worker_id: int = 0, clock=time.monotonic,
+                 records: Path | None = None) -> None:
         self.renderer = renderer
+        self.records = records
+        """A JSONL file that gets one line per finished session (`record`), trained or not; None: no records."""
         self.train_group_size = train_group_size
         self._anonymous: _Group | None = None
         self._serial = 0
@@ -184,9 +189,29 @@ class SessionBook:
         for name, value in session.episode.counts.items():
             if name.startswith("splits_") or name == "retries":
                 self.counts[name] += value
+        if self.records is not None:
+            with open(self.records, "a") as f:
+                f.write(json.dumps(self.record(session)) + "\n")
         group = session.group
         if len(group.sessions) == group.size and all(s.finished for s in group.sessions):
             self._emit(group)
+
+    def record(self, session: Session) -> dict:
+        """The session as its record: outcome, every call (messages, prompt and sampled ids, log-probs, versions,
+        how it joined) and the samples it makes (their calls and loss masks)."""
+        calls = [{"index": c.index, "parent": c.plan.parent, "retry_of": c.plan.retry_of,
+                  "split_reason": c.plan.split_reason, "messages": list(c.call.messages), "tools": c.call.tools,
+                  "template_args": dict(c.call.template_args), "prompt_ids": c.plan.prompt_ids,
+                  "sampled_ids": c.sampled_ids, "behavior_logprobs": c.behavior_logprobs,
+                  "token_versions": c.token_versions, "finish_reason": c.finish_reason, "reply": c.reply}
+                 for c in session.episode.calls]
+        samples, counts = episode_samples(session.episode.calls, f"session/{session.session_id}",
+                                          session.group.group_id, session.reward or 0.0)
+        return {"session_id": session.session_id, "group_id": session.group.group_id, "reward": session.reward,
+                "info": session.info, "trained": session.reward is not None and not session.lost,
+                "lost": session.lost, "counts": {**session.episode.counts, **counts}, "calls": calls,
+                "samples": [{"calls": t.prompt.metadata["calls"], "prompt_tokens": len(t.prompt.prompt_token_ids),
+                             "loss_mask": [int(m) for m in t.loss_mask]} for t in samples]}
 
     def lose_call(self, session: Session) -> None:
         """A call that did not reach its client (engine abort, disconnect): the session is not trained."""

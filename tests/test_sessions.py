@@ -89,3 +89,20 @@ def test_keys_select_their_session_only(renderer):
         with pytest.raises(SessionError) as err:
             book.get(session_id, key)
         assert err.value.status == status
+
+
+def test_every_finished_session_leaves_a_record_trained_or_not(renderer, tmp_path):
+    book = SessionBook(renderer, "extend", 8, 10.0, train_group_size=2, records=tmp_path / "episodes.jsonl")
+    a, b = book.create(), book.create()
+    one_call(book, a)
+    book.lose_call(b)
+    book.set_reward(a, 1.0)
+    book.finish(b)
+    import json
+
+    rows = [json.loads(line) for line in (tmp_path / "episodes.jsonl").read_text().splitlines()]
+    assert [(r["session_id"], r["trained"], r["lost"]) for r in rows] == [
+        (a.session_id, True, False), (b.session_id, False, True)]
+    (call,) = rows[0]["calls"]
+    assert (call["sampled_ids"], call["token_versions"], call["parent"]) == ([67, 2], [0, 0], None)
+    assert rows[0]["samples"] == [{"calls": [0], "prompt_tokens": len(call["prompt_ids"]), "loss_mask": [1, 1]}]
