@@ -232,3 +232,14 @@ def test_completions_calls_join_where_their_ids_start_with_an_earlier_calls(tok)
     # [5 6 7] + sampled [8 9] + inserted [10] + sampled [11]; then [5 6 4] + [12]
     assert [(s.prompt.prompt_token_ids, s.response_token_ids, s.loss_mask) for s in samples] == [
         ([5, 6, 7], [8, 9, 10, 11], [True, True, False, True]), ([5, 6, 4], [12], [True])]
+
+
+def test_a_template_that_does_not_close_turns_with_the_turn_end_starts_a_new_segment(tok):
+    # the template never writes <|endoftext|>: the delta after a turn's end cannot be found, so no join
+    episode = Episode(ChatRenderer(tok, turn_end="<|endoftext|>"))
+    first = [{"role": "user", "content": "q"}]
+    serve(episode, ChatCall(first), ids(tok, "a<|im_end|>"), 0, reply={"role": "assistant", "content": "a"})
+    plan, _ = serve(episode, ChatCall([*first, {"role": "assistant", "content": "a"},
+                                       {"role": "user", "content": "b"}]), ids(tok, "c<|im_end|>"), 0)
+    assert (plan.parent, plan.split_reason) == (None, "template_not_prefix")
+    assert episode.counts["splits_template_not_prefix"] == 1

@@ -53,7 +53,8 @@ def test_demos_and_simulator_load_without_ray_vllm_or_deepspeed():
 
 def test_gateway_core_loads_without_ray_vllm_or_deepspeed():
     # the session endpoint's token contract and parsers are pure: its server alone meets the engines
-    modules = ["gateway.chat_render", "gateway.episode", "gateway.episode_samples", "gateway.hermes"]
+    modules = ["gateway.chat_render", "gateway.episode", "gateway.episode_samples", "gateway.hermes",
+               "gateway.sessions"]
     assert _loaded_after_import(modules) == []
 
 
