@@ -128,7 +128,7 @@ def build_app(book: SessionBook, inbox: CallInbox, settings: ServeSettings, base
         book.check_open(session)
         body = await _json_body(request)
         call, tools_on = _chat_call(body)
-        return await serve(session, body, call, tools_on, chat=True)
+        return await serve(session, body, call, tools_on and settings.tool_parser == "hermes", chat=True)
 
     async def completion(session_id: str | None, request: Request):
         session = book.get(session_id, _bearer(request))
