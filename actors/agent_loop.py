@@ -7,17 +7,25 @@ call runs in a thread pool beside the engine (rewards/tools.py ToolBox), and the
 a tool segment (tokenized once, no loss, no version) and the sample continues on its exact token prefix, with what
 is left of its one response-token budget. Bad input is counted in `counts` and the sample goes on or ends; the
 run never stops for it.
+
+With `tools.call_format: hermes` the loop is a client of the session endpoint's code (gateway/): a turn ends at
+the model's end of turn, its calls are read by gateway/hermes.py (all of them, run one after the other), and their
+outputs go back as `tool` messages, rendered by the chat template after the turn's end (gateway/chat_render.py's
+delta, the same tokens a session's next prompt gets).
 """
 
+import json
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from actors.decode_loop import FINISHED, PENDING, Finished, Pending, RequestEnd, SampleInFlight
+from gateway.chat_render import ChatRenderer
+from gateway.hermes import parse_hermes
 from protocols.reward import RewardConfig
 from protocols.tools import ToolsConfig
-from rewards.tool_calls import MalformedCall, ParsedCall, parse_call, render_output
+from rewards.tool_calls import MalformedCall, ParsedCall, argument_text, cut_output, parse_call, render_output
 from rewards.tools import ToolBox, ToolResult
 
 TIMEOUT_GRACE_S = 5.0
@@ -34,9 +42,10 @@ tools.max_output_tokens; tool segments cut because the response-token budget ran
 class _Call:
     """A tool call in the pool, and the sample waiting on it."""
 
-    def __init__(self, sample: SampleInFlight, call: ParsedCall) -> None:
+    def __init__(self, sample: SampleInFlight, calls: list[ParsedCall]) -> None:
         self.sample = sample
-        self.call = call
+        self.calls = calls
+        """The turn's calls, run in order (one in the tagged format)."""
         self.started: float | None = None
         """When a pool thread began it (None while it waits for a thread): the timeout counts from here."""
 
@@ -55,10 +64,16 @@ class AgentLoop:
         self.counts: Counter = Counter({name: 0 for name in COUNTER_NAMES})
         self.tool_seconds = 0.0
         """Wall seconds the calls ran, summed (time waiting for a pool thread excluded)."""
+        self.renderer = ChatRenderer(tokenizer) if tools.call_format == "hermes" else None
+        if self.renderer is not None and self.renderer.delta_ids([{"role": "tool", "content": "1"}], None, {}) is None:
+            raise ValueError(
+                "tools.call_format=hermes renders tool outputs with the model's chat template, and this template "
+                "does not render a `tool` message after an assistant turn's end as a prefix-stable delta; use a "
+                "template with tool support (Qwen2.5's) or tools.call_format=tagged")
 
     # --- a model turn ended ------------------------------------------------------------------------------------
     def __call__(self, sample: SampleInFlight, output: Any) -> RequestEnd | Pending:
-        parsed = parse_call(output.outputs[0].text, self.cfg)
+        parsed = self._parse(output.outputs[0])
         if parsed is None:
             return FINISHED  # a plain answer (or the budget ran out mid-call)
         if isinstance(parsed, MalformedCall):
@@ -73,9 +88,32 @@ class AgentLoop:
         self.running[self.pool.submit(self._run, call)] = call
         return PENDING
 
-    def _run(self, call: _Call) -> ToolResult:
+    def _parse(self, completion: Any) -> list[ParsedCall] | MalformedCall | None:
+        if self.renderer is None:
+            parsed = parse_call(completion.text, self.cfg)
+            return [parsed] if isinstance(parsed, ParsedCall) else parsed
+        if completion.finish_reason == "length":
+            return None  # cut mid-turn: a call it may hold was never closed by the model
+        reply = parse_hermes(completion.text)
+        if reply.error:
+            return MalformedCall(reply.error)
+        if not reply.tool_calls:
+            return None
+        return [ParsedCall(c["function"]["name"], argument_text(json.loads(c["function"]["arguments"])))
+                for c in reply.tool_calls]
+
+    def _run(self, call: _Call) -> list[ToolResult]:
         call.started = time.monotonic()
-        return self.toolbox.run(call.call.name, call.call.arguments)
+        results = []
+        for parsed in call.calls:
+            started = time.monotonic()
+            left = self.cfg.timeout_s - (started - call.started)
+            if left <= 0:
+                results.append(ToolResult(f"TimeoutError: the turn's calls ran past tools.timeout_s="
+                                          f"{self.cfg.timeout_s:g} s", "timeout", 0.0))
+                continue
+            results.append(self.toolbox.run(parsed.name, parsed.arguments))
+        return results
 
     # --- tools that are done -----------------------------------------------------------------------------------
     def ready(self) -> list[tuple[SampleInFlight, RequestEnd]]:
@@ -84,24 +122,52 @@ class AgentLoop:
         now = time.monotonic()
         for future, call in list(self.running.items()):
             if future.done():
-                result = future.result()
+                results = future.result()
             elif call.started is not None and now - call.started > self.cfg.timeout_s + TIMEOUT_GRACE_S:
                 # the thread is left to finish; its result is dropped
-                result = ToolResult(f"TimeoutError: the tool ran past tools.timeout_s={self.cfg.timeout_s:g} s",
-                                    "timeout", now - call.started)
+                results = [ToolResult(f"TimeoutError: the tool ran past tools.timeout_s={self.cfg.timeout_s:g} s",
+                                      "timeout", now - call.started)] * len(call.calls)
             else:
                 continue
             del self.running[future]
-            out.append((call.sample, self._append(call, result)))
+            out.append((call.sample, self._append(call, results[0]) if self.renderer is None
+                        else self._append_messages(call, results)))
         return out
 
-    def _append(self, call: _Call, result: ToolResult) -> RequestEnd:
-        """Append the tool's rendered output to the sample; go on if budget is left for the model to answer."""
-        sample = call.sample
+    def _count(self, result: ToolResult) -> None:
         self.counts["calls"] += 1
         if result.error:
             self.counts[f"errors_{result.error}"] += 1
         self.tool_seconds += result.seconds
+
+    def _append_messages(self, call: _Call, results: list[ToolResult]) -> RequestEnd:
+        """Hermes: the outputs as `tool` messages, rendered by the chat template after the turn's end (one
+        segment for the turn; the first call's record holds it, the others hold none)."""
+        sample = call.sample
+        outputs = []
+        for result in results:
+            self._count(result)
+            output, truncated = cut_output(result.output, self.cfg.max_output_tokens, self.tokenizer)
+            self.counts["truncated_outputs"] += truncated
+            outputs.append((output, truncated))
+        end = self.renderer.turn_end_ids
+        closed = sample.response_token_ids[-len(end):] == end
+        token_ids = [*([] if closed else end), *self.renderer.delta_ids(
+            [{"role": "tool", "content": output} for output, _ in outputs], None, {})]
+        if len(token_ids) > sample.tokens_left:
+            self.counts["budget_cut_outputs"] += 1
+            token_ids = token_ids[:sample.tokens_left]
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
+        for i, (parsed, result, (output, truncated)) in enumerate(zip(call.calls, results, outputs)):
+            sample.append_tool_output(token_ids if i == 0 else [], text if i == 0 else "", name=parsed.name,
+                                      arguments=parsed.arguments, output=output, error=result.error,
+                                      seconds=result.seconds, output_truncated=truncated)
+        return sample.continue_here() if sample.tokens_left > 0 else Finished(reason="length")
+
+    def _append(self, call: _Call, result: ToolResult) -> RequestEnd:
+        """Append the tool's rendered output to the sample; go on if budget is left for the model to answer."""
+        sample = call.sample
+        self._count(result)
         rendered = render_output(result.output, self.cfg, self.tokenizer)
         self.counts["truncated_outputs"] += rendered.truncated
         token_ids, text = rendered.token_ids, rendered.text
@@ -110,7 +176,7 @@ class AgentLoop:
             self.counts["budget_cut_outputs"] += 1
             token_ids = token_ids[:sample.tokens_left]
             text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
-        sample.append_tool_output(token_ids, text, name=call.call.name, arguments=call.call.arguments,
+        sample.append_tool_output(token_ids, text, name=call.calls[0].name, arguments=call.calls[0].arguments,
                                   output=rendered.output, error=result.error, seconds=result.seconds,
                                   output_truncated=rendered.truncated)
         return sample.continue_here() if sample.tokens_left > 0 else Finished(reason="length")

@@ -28,6 +28,7 @@ from actors.prompt_cursor import PromptCursor
 from actors.replay_queue import ReplayQueue
 from actors.scoring_lists import ScoringLists
 from actors.stream_join import ScorerFailed, resolve_all, sort_results
+from gateway.sessions import SESSION_GROUP_PREFIX
 from protocols.trajectory import TOKEN_SCORERS, Prompt, TrajectoryGroup
 from protocols.weight_announcement import WeightAnnouncement
 
@@ -208,6 +209,10 @@ class RolloutController(LeaseBook, ScoringLists):
     def _put(self, group: TrajectoryGroup) -> bool:
         if not self._end_lease(group.group_id):
             return False
+        if group.group_id.startswith(SESSION_GROUP_PREFIX):
+            # a session endpoint's group (gateway/) is admitted when it arrives: its client, not the prompt
+            # cursor, started it; so admitted = trained + dropped + queued holds for it too
+            self.admitted += 1
         if self.lengths is not None:  # stale or not, its lengths say how long the prompt runs
             self.lengths.record(group)
         queued = self.queue.put(group)

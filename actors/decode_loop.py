@@ -7,6 +7,10 @@ as a new request on its exact token prefix (prompt + every segment so far): the 
 plugs into (actors/agent_loop.py: a sample that stopped at a tool call continues after the tool's output). The
 hook may also keep a sample (`PENDING`) while its tool runs: the sample's request is over, so its engine slot
 serves the other samples, and the hook hands it back from `ready()` once the tool is done. The default finishes.
+
+Besides groups, the loop serves single calls of the session endpoint (gateway/): `start_call` adds one request
+on the prompt the endpoint built, with its own sampling parameters; it ends with its request (the client runs its
+own tools) and waits in `finished_calls` (not returned by `step`) as a one-sample group, versions per token.
 """
 
 import heapq
@@ -167,6 +171,27 @@ class DecodeLoop:
         self.held: list[tuple[float, int, _GroupInFlight]] = []
         """Length-aware dispatch: heap of (minus expected length, arrival, group) not yet in the engine."""
         self.arrivals = 0
+        self.calls: dict[str, Any] = {}
+        """group id -> sampling parameters of each single call in flight (`start_call`)."""
+        self.finished_calls: list[TrajectoryGroup] = []
+        """Single calls that ended, for their caller to take (gateway/engine_bridge.py)."""
+
+    @property
+    def groups_in_flight(self) -> int:
+        """Groups the controller granted that are in flight (single calls of the endpoint not counted)."""
+        return len(self.active) - len(self.calls)
+
+    def start_call(self, call_id: str, prompt_ids: list[int], params: Any) -> None:
+        """A single call of the session endpoint: one request on `prompt_ids` with `params` (its max_tokens
+        included), finished when the request ends; it then waits in `finished_calls` as a one-sample group with id
+        `call_id`."""
+        if call_id in self.active:
+            raise ValueError(f"call {call_id!r} is already in flight; call ids must be unique")
+        group = _GroupInFlight(call_id, Prompt(prompt_id=call_id, prompt_token_ids=list(prompt_ids)), 1,
+                               params.max_tokens)
+        self.active[call_id] = group
+        self.calls[call_id] = params
+        self._add_request(group.samples[0], group.samples[0].prefix_ids, params.max_tokens)
 
     def start_group(self, group_id: str, prompt: Prompt, expected_length: float = 0.0) -> None:
         group = _GroupInFlight(group_id, prompt, self.samples_per_prompt, self.max_response_tokens)
@@ -191,8 +216,9 @@ class DecodeLoop:
         suffix = f"/{sample.requests_ended}" if sample.requests_ended else ""
         request_id = f"{sample.group_id}/{sample.index}{suffix}"
         self.requests[request_id] = (sample, 0)
+        params = self.calls.get(sample.group_id)
         self.engine.add_request(request_id, {"prompt_token_ids": prefix_ids},
-                                self.sampling_params(sample, max_tokens))
+                                params if params is not None else self.sampling_params(sample, max_tokens))
 
     def has_unfinished(self) -> bool:
         """Requests in the engine, or samples the hook keeps (their tools still run)."""
@@ -232,7 +258,7 @@ class DecodeLoop:
         sample.behavior_logprobs.extend(next(iter(d.values())).logprob for d in completion.logprobs)
         sample.response_text += completion.text
         sample.requests_ended += 1
-        decision = self.on_request_end(sample, out)
+        decision = FINISHED if sample.group_id in self.calls else self.on_request_end(sample, out)
         return self._apply(sample, decision, "length" if completion.finish_reason == "length" else "stop")
 
     def _apply(self, sample: SampleInFlight, decision: RequestEnd | Pending,
@@ -259,7 +285,11 @@ class DecodeLoop:
         if not group.done:
             return None
         del self.active[sample.group_id]
-        return TrajectoryGroup(group_id=sample.group_id, trajectories=group.trajectories)
+        done = TrajectoryGroup(group_id=sample.group_id, trajectories=group.trajectories)
+        if self.calls.pop(sample.group_id, None) is not None:
+            self.finished_calls.append(done)
+            return None
+        return done
 
     @staticmethod
     def _check(sample: SampleInFlight, decision: Continue) -> None:
@@ -277,14 +307,16 @@ class DecodeLoop:
 
     def abort(self) -> list[str]:
         """Abort every request and drop the samples the hook keeps (their tools' results are not waited for);
-        returns the ids of the groups that were in flight (they are forgotten)."""
+        returns the ids of the groups that were in flight (they are forgotten), single calls not included (their
+        caller, which knows what it started, learns it from `calls` being cleared)."""
         if self.requests:
             self.engine.abort_request(list(self.requests))
             self.requests.clear()
         if self.waiting:
             self.on_request_end.cancel()
             self.waiting.clear()
-        group_ids = list(self.active)
+        group_ids = [g for g in self.active if g not in self.calls]
         self.active.clear()
+        self.calls.clear()
         self.held.clear()
         return group_ids

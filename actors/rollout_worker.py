@@ -109,6 +109,12 @@ class RolloutWorker:
                                    on_request_end=self.agent or finish_every_request,
                                    max_num_seqs=cfg.rollout.max_num_seqs if cfg.rollout.length_aware_dispatch else None)
         """The groups in the engine; with tools, a sample continues after each tool call (`self.agent`)."""
+        self.gateway = None
+        """gateway.enabled: the session endpoint this worker serves (gateway/service.py), its calls decoded here."""
+        if cfg.gateway.enabled:
+            from gateway.service import GatewayService
+
+            self.gateway = GatewayService(cfg, self.tokenizer, worker_id, self._call_params)
         self.router = ScoreRouter(reward_workers or [], scorers or {}, critic_workers or [],
                                   cfg.fault.max_rescore_attempts, cfg.fault.batch_timeout_s)
         """Where each finished group goes to be scored: a reward worker, one worker of every token-scoring role
@@ -172,6 +178,20 @@ class RolloutWorker:
         return SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p, max_tokens=max_tokens, logprobs=0,
                               seed=zlib.crc32(key.encode()) & 0x7FFFFFFF, **eval_generation.tool_stops(self.cfg.tools))
 
+    def _call_params(self, max_tokens: int):
+        """Sampling parameters of an endpoint call: the run's temperature and top_p (the learner's log-probs assume
+        them), no seed (a client's retry samples afresh)."""
+        from vllm import SamplingParams
+
+        r = self.cfg.rollout
+        return SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p, max_tokens=max_tokens, logprobs=0)
+
+    def _take_sessions(self) -> None:
+        """Groups of finished sessions go to the controller as scored groups: the client gave their reward."""
+        now = time.monotonic()
+        for group in self.gateway.take_groups():
+            self.policy.on_scored(group.group_id, group, now)
+
     def _collect_scored(self, block: bool = False) -> None:
         """Hand the policy the scoring tasks that finished, as object refs (the controller resolves them)."""
         done = self.router.collect(block)
@@ -188,7 +208,7 @@ class RolloutWorker:
             self._watch = self.controller.watch.remote(self.worker_id, self.policy.loaded_version)
 
     def _sync(self, stats: dict, start: float) -> None:
-        request = self.policy.request(time.monotonic(), len(self.decoding.active), self._report(stats, start))
+        request = self.policy.request(time.monotonic(), self.decoding.groups_in_flight, self._report(stats, start))
         self.router.stamp(request)
         self._last_sync = time.monotonic()
         reply = ray.get(self.controller.sync.remote(request))
@@ -211,18 +231,22 @@ class RolloutWorker:
             if stats["steps"] % cfg.rollout.weight_sync_interval_steps == 0 or not decoding.active:
                 self._check_watch()
             self._collect_scored()
+            if self.gateway is not None:
+                self._take_sessions()
             now = time.monotonic()
-            # groups waiting for a live reward, token-scoring or critic worker: ask every fault.health_check_s for the
-            # new lists (a worker starved of budget would otherwise never call, and its groups would wait forever)
-            if policy.sync_due(now, len(decoding.active)) or (
+            # groups waiting for a live reward, token-scoring or critic worker: ask every fault.health_check_s for
+            # the new lists (a worker starved of budget would otherwise never call, and its groups would wait forever)
+            if policy.sync_due(now, decoding.groups_in_flight) or (
                     router.unsent and now - self._last_sync >= cfg.fault.health_check_s):
                 self._sync(stats, start)
             if policy.stopped:
                 break
-            newer = policy.weights_to_load(len(decoding.active))
+            newer = policy.weights_to_load(decoding.groups_in_flight)
             if newer:
                 self.load_weights(newer)  # the policy learns the version loaded (maybe newer than announced)
                 continue  # ask for work at the new version before the next step
+            if self.gateway is not None:
+                self.gateway.pump(decoding)  # the endpoint's new calls join the engine; ended ones go back
             if decoding.has_unfinished():
                 t0 = time.perf_counter()
                 groups = decoding.step(self.version)
@@ -238,6 +262,9 @@ class RolloutWorker:
                 stats["idle_s"] += time.perf_counter() - t0
             stats["steps"] += 1
         aborted = decoding.abort()
+        if self.gateway is not None:
+            self.gateway.pump(decoding)  # calls the abort ended fail (503): their sessions are not trained
+            self._take_sessions()
         if self.probing is not None:
             self.probing.finish()  # only the probe is left in the engine: score it, for this report
         self._collect_scored(block=True)
@@ -256,7 +283,8 @@ class RolloutWorker:
         return {**stats, "wall_s": wall, "sync_s": self.sync_seconds, "version": self.version,
                 "versions_seen": list(self.policy.versions_seen), **self.router.counts,
                 "weight_probes": self.weight_probes(),
-                **({"tools": self.agent.report()} if self.agent is not None else {})}
+                **({"tools": self.agent.report()} if self.agent is not None else {}),
+                **({"gateway": self.gateway.report()} if self.gateway is not None else {})}
 
     # --- evaluation and checks (not while `run` is going) --------------------------------------------------------
     def generate_greedy(self, prompts: list[Prompt]) -> list[str]:

@@ -114,13 +114,13 @@ class EvalSet:
     prompts: list[Prompt]
 
 
-def load_eval_set(name_or_file: str, base: DataConfig, tokenizer: Any, fields: dict[str, str] | None = None
-                  ) -> EvalSet:
+def load_eval_set(name_or_file: str, base: DataConfig, tokenizer: Any, fields: dict[str, str] | None = None,
+                  tools: list[dict] | None = None) -> EvalSet:
     """The set's prompts (at most base.num_eval_prompts), each carrying its verifier. Bad rows raise
     EvalInputError naming the file, the line and the field."""
     name, data_cfg, verifier = eval_data_config(name_or_file, base, fields)
     try:
-        prompts, _ = load_prompts(data_cfg, "test", tokenizer)
+        prompts, _ = load_prompts(data_cfg, "test", tokenizer, tools)
     except DataError as err:
         hint = " (mapped with --field KEY=COLUMN, KEY one of prompt, answer, tests)" if fields is not None else ""
         raise EvalInputError(f"{err}{hint}") from None
@@ -205,7 +205,7 @@ def write_rows(path: str | Path, set_name: str, flat: list[tuple], results: list
 # ----- during training ----------------------------------------------------------------------------------------
 def load_eval_sets(cfg: RunConfig, tokenizer: Any) -> list[EvalSet]:
     """train.eval_sets, loaded before any actor starts (a bad file fails here with its path and line)."""
-    return [load_eval_set(name, cfg.data, tokenizer) for name in cfg.train.eval_sets]
+    return [load_eval_set(name, cfg.data, tokenizer, tools=cfg.tools.template_tools()) for name in cfg.train.eval_sets]
 
 
 def evaluate(workers: list, prompts: list[Prompt], reward_workers: list, reward_cfg: RewardConfig,
@@ -261,7 +261,7 @@ def run_eval(cfg: RunConfig, model: str, data: str, samples: int, fields: dict[s
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": model})})
     cfg = fit_lengths_to_model(cfg, model)
     tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=cfg.model.trust_remote_code)
-    eval_set = load_eval_set(data, cfg.data, tokenizer, fields)
+    eval_set = load_eval_set(data, cfg.data, tokenizer, fields, cfg.tools.template_tools())
     started = not ray.is_initialized()
     start_ray(cfg)
     placement = create_placement(cfg, roles=("rollout", "reward"))

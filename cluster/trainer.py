@@ -83,8 +83,9 @@ class Trainer:
         # weight_sync.verify_every: the probe is built (and refused if it does not fit the engines) before any actor
         self.weight_check = (WeightCheck(cfg, len(tokenizer), cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens)
                              if cfg.weight_sync.verify_every else None)
-        self.train_prompts, self.data_counts = load_prompts(cfg.data, "train", tokenizer)
-        self.eval_prompts, eval_counts = load_prompts(cfg.data, "test", tokenizer)
+        tools = cfg.tools.template_tools()
+        self.train_prompts, self.data_counts = load_prompts(cfg.data, "train", tokenizer, tools)
+        self.eval_prompts, eval_counts = load_prompts(cfg.data, "test", tokenizer, tools)
         self.eval_prompts = self.eval_prompts[: cfg.data.num_eval_prompts]
         self.data_counts = {k: self.data_counts.get(k, 0) + eval_counts.get(k, 0) for k in {**self.data_counts, **eval_counts}}
         # train.eval_sets for the evaluation harness, loaded (and a bad file refused) before any actor starts

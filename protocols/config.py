@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from protocols.algorithm import DEFAULT_PRESET, AlgorithmConfig
 from protocols.autoscale import AutoscaleConfig
 from protocols.data import DataConfig
+from protocols.gateway import GatewayConfig
 from protocols.learner_config import LearnerConfig
 from protocols.model import ModelConfig
 from protocols.model_workers import RAY_BUILTIN_RESOURCES, CriticConfig, ReferenceConfig, TeacherConfig
@@ -293,6 +294,8 @@ class RunConfig(BaseModel):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     tools: ToolsConfig = Field(default_factory=ToolsConfig)
     """Tools the model may call while it reasons (multi-turn rollouts, protocols/tools.py); none: single-turn."""
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    """The session endpoint for agent programs (protocols/gateway.py, docs/agents.md); off by default."""
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
     """Value model for GAE (preset ppo): `critic.num_workers: 1` turns it on."""

@@ -10,6 +10,11 @@ on its exact token prefix. The call format, with the default tags:
 
 The text between the tags is `NAME:ARGUMENTS` (the tool's name, a colon, then its argument text as is, e.g. a
 Python program), or a JSON object `{"name": ..., "arguments": ...}` as Hermes/Qwen2.5 tool calls are written.
+
+`call_format: hermes` is the model's own format instead, as the session endpoint (gateway/) serves it: the prompt
+holds the tools' schemas (`apply_chat_template(tools=...)`), a turn ends at the model's end of turn, its
+`<tool_call>` JSON calls are read as vLLM's hermes parser reads them, and their outputs go back as `tool`
+messages rendered by the chat template.
 """
 
 import re
@@ -21,6 +26,14 @@ BUILTIN_TOOLS = ("python", "calculator")
 """`python` runs the arguments as a program in the code verifier's sandbox, with its limits (reward.code_sandbox),
 and returns its stdout (or the error); `calculator` evaluates an arithmetic expression (+ - * / // % ** and
 parentheses over integers and decimals) and returns its value."""
+
+
+TOOL_DESCRIPTIONS = {
+    "python": "Run a Python program and return what it prints.",
+    "calculator": "Evaluate an arithmetic expression (+ - * / // % ** and parentheses) and return its value.",
+}
+ARGUMENT_NAMES = {"python": "code", "calculator": "expression"}
+"""The one argument of each built-in tool's schema (a user tool's is `input`)."""
 
 
 class ToolsConfig(BaseModel):
@@ -36,8 +49,10 @@ class ToolsConfig(BaseModel):
     output text (str); it runs in a worker thread of the rollout worker's process with tools.timeout_s, so it
     must be safe to run there (use the `python` tool for untrusted code)."""
 
-    call_format: Literal["tagged"] = "tagged"
-    """How a call is written: `tagged` is `call_start` NAME:ARGUMENTS `call_end` (see the module docstring)."""
+    call_format: Literal["tagged", "hermes"] = "tagged"
+    """How a call is written: `tagged` is `call_start` NAME:ARGUMENTS `call_end` (see the module docstring);
+    `hermes` is Qwen2.5/Qwen3's own format through the model's chat template, which must support tools (the
+    tags and output_template are then the template's, and these fields are unused)."""
 
     call_start: str = Field("<tool_call>", min_length=1)
     """Text that opens a call."""
@@ -72,6 +87,19 @@ class ToolsConfig(BaseModel):
     @property
     def names(self) -> list[str]:
         return [*self.builtin, *self.custom]
+
+    def template_tools(self) -> list[dict] | None:
+        """The schemas the chat template writes into each prompt: in the hermes format only (the tagged format
+        teaches its calls otherwise)."""
+        return self.schemas() if self.enabled and self.call_format == "hermes" else None
+
+    def schemas(self) -> list[dict]:
+        """The tools as OpenAI function schemas, for the chat template (`call_format: hermes`): each takes one
+        string argument, which becomes the tool's argument text."""
+        return [{"type": "function", "function": {
+            "name": name, "description": TOOL_DESCRIPTIONS.get(name, f"The user tool `{name}`."),
+            "parameters": {"type": "object", "properties": {ARGUMENT_NAMES.get(name, "input"): {"type": "string"}},
+                           "required": [ARGUMENT_NAMES.get(name, "input")]}}} for name in self.names]
 
     @field_validator("custom")
     @classmethod

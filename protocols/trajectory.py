@@ -5,9 +5,11 @@ queue and of in-flight samples use `model_dump_json`).
 
 A response is an ordered list of segments (`Trajectory.segments`): model segments, whose tokens the engine
 sampled (with behavior log-probs and policy versions), and tool segments, a tool's output tokenized once and
-appended as context. They are stored flat, token by token, in the order the model read them, because that is what
-the learner consumes; `tool_calls` marks where each tool segment lies. The learner trains on exactly the token ids
-the engine sampled: model tokens are never re-tokenized, tool tokens carry no loss (`loss_mask`).
+appended as context, or context segments, tokens a session endpoint inserted between two calls of an episode
+(gateway/: the chat template's rendering of the messages the client added). They are stored flat, token by token, in the order the model read them, because that is what
+the learner consumes; `tool_calls` and `context_spans` mark where each tool or context segment lies. The learner
+trains on exactly the token ids the engine sampled: model tokens are never re-tokenized, tool and context tokens
+carry no loss (`loss_mask`).
 """
 
 from dataclasses import dataclass
@@ -88,11 +90,24 @@ class ToolCall(BaseModel):
     """Characters of `response_text` up to the end of the tool segment: the model's final answer follows it."""
 
 
+class ContextSpan(BaseModel):
+    """Tokens of a response that the engine read but did not sample in this sample: what a session endpoint
+    inserted between two calls of an episode (the template's rendering of the client's new messages, a turn close
+    after a reply cut at max_tokens). Like a tool segment: behavior log-prob 0.0, version -1, no loss."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    start: int = Field(ge=0)
+    """Index in `response_token_ids` of the span's first token."""
+    tokens: int = Field(ge=1)
+    """Tokens in the span."""
+
+
 @dataclass(frozen=True)
 class Segment:
     """A view of one run of tokens of a response: `model` tokens carry behavior log-probs and versions."""
 
-    kind: Literal["model", "tool"]
+    kind: Literal["model", "tool", "context"]
     token_ids: list[int]
     behavior_logprobs: list[float] | None
     token_versions: list[int] | None
@@ -122,6 +137,9 @@ class Trajectory(BaseModel):
     tool_calls: list[ToolCall] | None = Field(None, exclude_if=lambda calls: calls is None)
     """The tool calls in order, each with where its output segment lies; None for a single-turn response (so it
     is what it was before multi-turn rollouts, on the wire and on disk)."""
+    context_spans: list[ContextSpan] | None = Field(None, exclude_if=lambda spans: spans is None)
+    """Context segments in order (an episode of a session endpoint, gateway/episode_samples.py); None elsewhere,
+    so other records are what they were, on the wire and on disk."""
     malformed_call: bool = Field(False, exclude_if=lambda malformed: not malformed)
     """The last turn tried a tool call that did not parse (the agent loop's verdict, read by the tools/* metrics):
     the sample ended there as a plain response (finish reason `stop`)."""
@@ -149,35 +167,41 @@ class Trajectory(BaseModel):
     def __getstate__(self) -> dict[Any, Any]:
         # A single-turn record pickles (Ray's wire format) to the bytes it had before tool calls existed.
         state = super().__getstate__()
-        if self.tool_calls is None:
-            state["__dict__"] = {k: v for k, v in state["__dict__"].items() if k != "tool_calls"}
+        unset = {name for name in ("tool_calls", "context_spans") if getattr(self, name) is None}
+        if unset:
+            state["__dict__"] = {k: v for k, v in state["__dict__"].items() if k not in unset}
         return state
 
     def __setstate__(self, state: dict[Any, Any]) -> None:
         state["__dict__"].setdefault("tool_calls", None)
+        state["__dict__"].setdefault("context_spans", None)
         super().__setstate__(state)
+
+    def _context_runs(self) -> list[tuple[int, int, str]]:
+        """(start, tokens, kind) of every tool and context segment, in order."""
+        runs = [(c.output_start, c.output_tokens, "tool") for c in self.tool_calls or []]
+        runs += [(s.start, s.tokens, "context") for s in self.context_spans or []]
+        return sorted(runs)
 
     @property
     def loss_mask(self) -> list[bool]:
         """One flag per response token: True where the engine sampled the token (those train; tokens that are
         context only, such as a tool's output, do not). A single-turn response is all sampled tokens."""
         mask = [True] * len(self.response_token_ids)
-        for call in self.tool_calls or []:
-            mask[call.output_start: call.output_start + call.output_tokens] = [False] * call.output_tokens
+        for start, tokens, _ in self._context_runs():
+            mask[start: start + tokens] = [False] * tokens
         return mask
 
     @property
     def segments(self) -> list[Segment]:
-        """The response as ordered model and tool segments (empty model segments are left out)."""
+        """The response as ordered model, tool and context segments (empty model segments are left out)."""
         out, start = [], 0
         ids, lps, versions = self.response_token_ids, self.behavior_logprobs, self.token_versions
-        for call in self.tool_calls or []:
-            if call.output_start > start:
-                out.append(Segment("model", ids[start:call.output_start], lps[start:call.output_start],
-                                   versions[start:call.output_start]))
-            end = call.output_start + call.output_tokens
-            out.append(Segment("tool", ids[call.output_start:end], None, None))
-            start = end
+        for begin, tokens, kind in self._context_runs():
+            if begin > start:
+                out.append(Segment("model", ids[start:begin], lps[start:begin], versions[start:begin]))
+            out.append(Segment(kind, ids[begin:begin + tokens], None, None))
+            start = begin + tokens
         if start < len(ids):
             out.append(Segment("model", ids[start:], lps[start:], versions[start:]))
         return out

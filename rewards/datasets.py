@@ -23,13 +23,15 @@ class DataError(ValueError):
     """A row or file the loader cannot use; the message names the file and line."""
 
 
-def load_prompts(cfg: DataConfig, split: Split, tokenizer: Any) -> tuple[list[Prompt], dict[str, int]]:
+def load_prompts(cfg: DataConfig, split: Split, tokenizer: Any,
+                 tools: list[dict] | None = None) -> tuple[list[Prompt], dict[str, int]]:
     """All usable prompts of `split` (at most `num_eval_prompts` for `test`) and counts: `data/loaded`,
-    `data/skipped_too_long`."""
+    `data/skipped_too_long`. `tools`: OpenAI tool schemas the chat template writes into each prompt
+    (ToolsConfig.template_tools)."""
     if cfg.format == "arithmetic":
-        return load_arithmetic_prompts(cfg, split, tokenizer)
+        return load_arithmetic_prompts(cfg, split, tokenizer, tools=tools)
     if cfg.format == "longcot":
-        return load_longcot_prompts(cfg, split, tokenizer)
+        return load_longcot_prompts(cfg, split, tokenizer, tools=tools)
     setting = "data.train_path" if split == "train" else "data.test_path"
     path = cfg.train_path if split == "train" else cfg.test_path
     if not path:
@@ -43,7 +45,7 @@ def load_prompts(cfg: DataConfig, split: Split, tokenizer: Any) -> tuple[list[Pr
     for where, index, row in _rows(path, cfg.format):
         text, answer, tests = _map_row(row, cfg, where)
         user_text = cfg.prompt_template.replace("{prompt}", text)
-        ids = encode_prompt(user_text, cfg, tokenizer)
+        ids = encode_prompt(user_text, cfg, tokenizer, tools)
         if len(ids) > cfg.max_prompt_tokens:
             skipped += 1
             continue
@@ -63,7 +65,7 @@ def load_prompts(cfg: DataConfig, split: Split, tokenizer: Any) -> tuple[list[Pr
 
 
 def load_arithmetic_prompts(
-    cfg: DataConfig, split: Split, tokenizer: Any, seed: int = 0
+    cfg: DataConfig, split: Split, tokenizer: Any, seed: int = 0, tools: list[dict] | None = None
 ) -> tuple[list[Prompt], dict[str, int]]:
     """Prompts of one split (`arithmetic_num_train` for train, `num_eval_prompts` for test) and loader counts.
 
@@ -78,7 +80,7 @@ def load_arithmetic_prompts(
     pairs = arithmetic_problems(cfg.arithmetic_max_operand, split, count, seed, min_operand=cfg.arithmetic_min_operand)
     for i, (a, b) in enumerate(pairs):
         text = cfg.prompt_template.replace("{prompt}", problem_text(a, b, cfg.arithmetic_op))
-        ids = encode_prompt(text, cfg, tokenizer)
+        ids = encode_prompt(text, cfg, tokenizer, tools)
         if len(ids) > cfg.max_prompt_tokens:
             skipped += 1
             continue
@@ -94,7 +96,7 @@ def load_arithmetic_prompts(
 
 
 def load_longcot_prompts(
-    cfg: DataConfig, split: Split, tokenizer: Any, seed: int = 0
+    cfg: DataConfig, split: Split, tokenizer: Any, seed: int = 0, tools: list[dict] | None = None
 ) -> tuple[list[Prompt], dict[str, int]]:
     """The long-CoT demo task's prompts `a*b=` (rewards/longcot_data.py; `longcot_num_train` for train,
     `num_eval_prompts` distinct ones for test), gold answer `str(a*b)`, `a` and `b` in the metadata, and
@@ -106,7 +108,7 @@ def load_longcot_prompts(
     skipped = 0
     for i, (a, b) in enumerate(pairs):
         text = cfg.prompt_template.replace("{prompt}", longcot_text(a, b))
-        ids = encode_prompt(text, cfg, tokenizer)
+        ids = encode_prompt(text, cfg, tokenizer, tools)
         if len(ids) > cfg.max_prompt_tokens:
             skipped += 1
             continue
@@ -116,14 +118,15 @@ def load_longcot_prompts(
     return prompts, {"data/loaded": len(prompts), "data/skipped_too_long": skipped}
 
 
-def encode_prompt(user_text: str, cfg: DataConfig, tokenizer: Any) -> list[int]:
+def encode_prompt(user_text: str, cfg: DataConfig, tokenizer: Any, tools: list[dict] | None = None) -> list[int]:
     """Token ids of the prompt: through the chat template when enabled and the tokenizer has one (the template
-    already holds the special tokens, so none are added again), else the raw text with the tokenizer's own
-    special tokens (BOS)."""
+    already holds the special tokens, so none are added again; `tools` are its tool schemas), else the raw text
+    with the tokenizer's own special tokens (BOS)."""
     if cfg.use_chat_template and getattr(tokenizer, "chat_template", None):
         messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
         messages.append({"role": "user", "content": user_text})
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                             tokenize=False)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     text = f"{cfg.system_prompt}\n\n{user_text}" if cfg.system_prompt else user_text
     return list(tokenizer(text)["input_ids"])

@@ -69,8 +69,9 @@ class RenderedOutput:
 
 def stop_strings(cfg: ToolsConfig) -> list[str]:
     """Engine stop strings for a tool-using rollout: a turn ends right after a call's closing tag (kept in the
-    output with `include_stop_str_in_output=True`, so the model's tokens are taken as sampled)."""
-    return [cfg.call_end]
+    output with `include_stop_str_in_output=True`, so the model's tokens are taken as sampled). None in the hermes
+    format: a turn ends at the model's end of turn, after all its calls."""
+    return [] if cfg.call_format == "hermes" else [cfg.call_end]
 
 
 def parse_call(turn_text: str, cfg: ToolsConfig) -> ParsedCall | MalformedCall | None:
@@ -105,7 +106,7 @@ def parse_call(turn_text: str, cfg: ToolsConfig) -> ParsedCall | MalformedCall |
 
 
 def _parse_json(body: str) -> ParsedCall | MalformedCall:
-    depth = _json_depth(body)
+    depth = json_depth(body)
     if depth > MAX_JSON_DEPTH:
         return MalformedCall(f"JSON call nested {depth} levels deep; at most {MAX_JSON_DEPTH}")
     try:
@@ -118,17 +119,17 @@ def _parse_json(body: str) -> ParsedCall | MalformedCall:
     name = call.get("name")
     if not isinstance(name, str) or not _NAME.fullmatch(name.strip()):
         return MalformedCall(f"the JSON call's `name` {_preview(name)} is not a word")
-    return ParsedCall(name.strip(), _argument_text(call.get("arguments", "")))
+    return ParsedCall(name.strip(), argument_text(call.get("arguments", "")))
 
 
-def _json_depth(text: str) -> int:
+def json_depth(text: str) -> int:
     """The deepest nesting of `[ ]` and `{ }` in JSON text, brackets inside strings not counted: `{"a": [1]}` is
     2. Linear in the text, and never recursive (it is what keeps the decoder's recursion bounded)."""
     brackets = _NOT_A_BRACKET.sub("", _JSON_STRING.sub("", text))
     return max(itertools.accumulate(1 if b in "[{" else -1 for b in brackets), default=0)
 
 
-def _argument_text(arguments: Any) -> str:
+def argument_text(arguments: Any) -> str:
     """A tool takes text. A string is that text; an object with one string value (`{"code": "..."}`,
     `{"expression": "..."}`, as function-calling models write them) is that value; anything else is its JSON."""
     if isinstance(arguments, str):
@@ -147,10 +148,10 @@ def _preview(value: Any, chars: int = 40) -> str:
 
 def render_output(output: str, cfg: ToolsConfig, tokenizer: Tokenizer) -> RenderedOutput:
     """The tool segment for `output`: the output cut to `cfg.max_output_tokens` tokens (tokenized alone, cut,
-    decoded; see `_cut` for long outputs), put into `cfg.output_template` at `{output}` (other braces in the template are literal), and the
+    decoded; see `cut_output` for long outputs), put into `cfg.output_template` at `{output}` (other braces in the template are literal), and the
     whole rendered text tokenized ONCE without special tokens. Those ids are appended as they are: they are
     never merged with the model's tokens around them."""
-    output, truncated = _cut(output, cfg.max_output_tokens, tokenizer)
+    output, truncated = cut_output(output, cfg.max_output_tokens, tokenizer)
     text = cfg.output_template.replace("{output}", output)
     return RenderedOutput(tokenizer.encode(text, add_special_tokens=False), text, truncated, output)
 
@@ -159,7 +160,7 @@ HEAD_CHARS_PER_TOKEN = 16
 BOUNDARY_TOKENS = 16
 
 
-def _cut(output: str, cap: int, tokenizer: Tokenizer) -> tuple[str, bool]:
+def cut_output(output: str, cap: int, tokenizer: Tokenizer) -> tuple[str, bool]:
     """(the output's first `cap` tokens as text, whether it had more). A long output (a program may print a MiB)
     is tokenized only as far as its first 16 characters per kept token: when that head alone has more than
     `cap` + 16 tokens, the tokens that could differ from the whole output's (those at the head's cut) lie past the

@@ -51,6 +51,13 @@ def test_demos_and_simulator_load_without_ray_vllm_or_deepspeed():
     assert _loaded_after_import(modules) == []
 
 
+def test_gateway_core_loads_without_ray_vllm_or_deepspeed():
+    # the session endpoint's token contract and parsers are pure: its server alone meets the engines
+    modules = ["gateway.chat_render", "gateway.episode", "gateway.episode_samples", "gateway.hermes",
+               "gateway.sessions"]
+    assert _loaded_after_import(modules) == []
+
+
 def _imported_roots(tree: ast.AST) -> set[str]:
     """Top-level names a module's source imports anywhere: `import x`, `from x import y`, `__import__("x")`,
     `importlib.import_module("x")`, at module level or inside a function."""

@@ -1,0 +1,312 @@
+"""The session endpoint's HTTP surface (FastAPI, served by uvicorn in a thread on 127.0.0.1): what an agent program
+written with the stock `openai` SDK talks to. Each call's prompt is built by the session's episode
+(gateway/episode.py), sampled by the engine through the decode loop (gateway/engine_bridge.py), its tool calls
+read by gateway/hermes.py, and answered as plain OpenAI JSON (or SSE when streamed).
+
+    POST /sessions                                -> {session_id, base_url, api_key, expires_in_s}
+    GET  /sessions/{id}/v1/models
+    POST /sessions/{id}/v1/chat/completions       (stream or not)
+    POST /sessions/{id}/v1/completions
+    POST /sessions/{id}/reward                    {"reward": 1.0} or {"reward": {"reward": 1.0, ...}}
+    POST /sessions/{id}/finish
+    the same /v1 routes without /sessions/{id}: the Bearer key selects the session
+
+Statuses: 400 bad JSON or request, 401 wrong key, 404 unknown session, 409 a second reward, 410 a finished
+session, 429 over capacity (with Retry-After), 503 a call the engine aborted (the session is then not trained)."""
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from gateway.engine_bridge import CallAborted, CallInbox, CallResult
+from gateway.episode import ChatCall
+from gateway.hermes import parse_hermes
+from gateway.sessions import Session, SessionBook, SessionError
+
+ROLES = ("system", "user", "assistant", "tool")
+SWEEP_S = 0.5
+"""How often the server finishes sessions past their deadline."""
+IGNORED_SAMPLING = ("temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty")
+"""Request fields the run sets itself: the behavior policy must be the run's (its temperature enters the learner's
+log-probs). A request that sets them is served with the run's values, and counted (`ignored_sampling`)."""
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    model_name: str
+    max_tokens: int
+    """Most new tokens per call (gateway.max_tokens or rollout.max_response_tokens)."""
+    max_model_len: int
+    """The engine's context: prompt + new tokens never exceed it."""
+    max_calls_in_flight: int
+    retry_after_s: int
+    tool_parser: str = "hermes"
+
+
+def _error(status: int, message: str, retry_after: int | None = None) -> JSONResponse:
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+            429: "rate_limit_error"}.get(status, "session_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status, headers=headers)
+
+
+def _bearer(request: Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    return auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key")
+
+
+async def _json_body(request: Request) -> dict:
+    try:
+        body = json.loads(await request.body() or b"{}")
+    except ValueError as err:
+        raise SessionError(400, f"the body is not JSON ({err})") from err
+    if not isinstance(body, dict):
+        raise SessionError(400, "the body must be a JSON object")
+    return body
+
+
+def build_app(book: SessionBook, inbox: CallInbox, settings: ServeSettings, base_url: list[str]) -> FastAPI:
+    """The endpoint's app. `base_url` holds the server's root URL once it is bound (uvicorn picks the port)."""
+    app = FastAPI(title="relayrl session endpoint", docs_url=None, redoc_url=None, openapi_url=None)
+    renderer = book.renderer
+    tokenizer = renderer.tokenizer
+    calls_made = [0]
+
+    @app.exception_handler(SessionError)
+    async def _session_error(request: Request, err: SessionError):
+        return _error(err.status, err.message, settings.retry_after_s if err.status == 429 else None)
+
+    @app.post("/sessions")
+    async def create_session(request: Request):
+        body = await _json_body(request)
+        timeout = body.get("timeout_s")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise SessionError(400, f"timeout_s={timeout!r}: a positive number of seconds")
+        session = book.create(body.get("group"), body.get("group_size"), timeout)
+        return {"session_id": session.session_id, "api_key": session.api_key,
+                "base_url": f"{base_url[0]}/sessions/{session.session_id}/v1",
+                "expires_in_s": round(session.deadline - book.clock(), 3)}
+
+    @app.post("/sessions/{session_id}/reward")
+    async def reward(session_id: str, request: Request):
+        session = book.get(session_id, _bearer(request))
+        body = await _json_body(request)
+        if "reward" not in body:
+            raise SessionError(400, 'send {"reward": NUMBER} or {"reward": {"reward": NUMBER, ...}}')
+        book.set_reward(session, body["reward"])
+        return {"session_id": session_id, "reward": session.reward, "calls": len(session.episode.calls)}
+
+    @app.post("/sessions/{session_id}/finish")
+    async def finish(session_id: str, request: Request):
+        session = book.get(session_id, _bearer(request))
+        book.finish(session)
+        return {"session_id": session_id, "trained": session.reward is not None and not session.lost}
+
+    def models() -> dict:
+        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": 0,
+                                            "owned_by": "relayrl"}]}
+
+    @app.get("/sessions/{session_id}/v1/models")
+    async def session_models(session_id: str, request: Request):
+        book.get(session_id, _bearer(request))
+        return models()
+
+    @app.get("/v1/models")
+    async def key_models(request: Request):
+        book.get(None, _bearer(request))
+        return models()
+
+    async def chat(session_id: str | None, request: Request):
+        session = book.get(session_id, _bearer(request))
+        book.check_open(session)
+        body = await _json_body(request)
+        call, tools_on = _chat_call(body)
+        return await serve(session, body, call, tools_on and settings.tool_parser == "hermes", chat=True)
+
+    async def completion(session_id: str | None, request: Request):
+        session = book.get(session_id, _bearer(request))
+        book.check_open(session)
+        body = await _json_body(request)
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            ids = renderer.encode(prompt)
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                         and 0 <= t < len(tokenizer) for t in prompt):
+            ids = prompt
+        else:
+            raise SessionError(400, "prompt must be a string or a non-empty list of token ids (one prompt per call)")
+        return await serve(session, body, ChatCall([], prompt_ids=tuple(ids)), False, chat=False)
+
+    app.post("/sessions/{session_id}/v1/chat/completions")(chat)
+    app.post("/sessions/{session_id}/v1/completions")(completion)
+
+    @app.post("/v1/chat/completions")
+    async def key_chat(request: Request):
+        return await chat(None, request)
+
+    @app.post("/v1/completions")
+    async def key_completion(request: Request):
+        return await completion(None, request)
+
+    async def serve(session: Session, body: dict, call: ChatCall, tools_on: bool, chat: bool):
+        if inbox.in_flight >= settings.max_calls_in_flight:
+            book.counts["calls_refused"] += 1
+            raise SessionError(429, f"{settings.max_calls_in_flight} calls are in flight on this engine "
+                               "(gateway.max_calls_in_flight); retry after the Retry-After seconds")
+        book.counts["ignored_sampling"] += any(k in body for k in IGNORED_SAMPLING)
+        try:
+            plan = session.episode.plan(call)
+        except Exception as err:  # the chat template refused these messages (jinja raised)
+            raise SessionError(400, f"the chat template could not render these messages: {err}") from err
+        room = settings.max_model_len - len(plan.prompt_ids)
+        if room < 1:
+            raise SessionError(400, f"the prompt has {len(plan.prompt_ids)} tokens; the engine's context is "
+                               f"{settings.max_model_len}")
+        asked = body.get("max_completion_tokens", body.get("max_tokens"))
+        if asked is not None and (not isinstance(asked, int) or isinstance(asked, bool) or asked < 1):
+            raise SessionError(400, f"max_tokens={asked!r}: a positive integer")
+        max_tokens = min(asked or settings.max_tokens, settings.max_tokens, room)
+        book.counts["clamped_max_tokens"] += asked is not None and max_tokens < asked
+        session.calls_in_flight += 1
+        try:
+            result: CallResult = await asyncio.wrap_future(inbox.submit(plan.prompt_ids, max_tokens))
+        except CallAborted as err:
+            book.lose_call(session)
+            raise SessionError(503, "the engine aborted this call; the session will not be trained") from err
+        except asyncio.CancelledError:  # the client left while its call ran
+            book.lose_call(session)
+            raise
+        finally:
+            session.calls_in_flight -= 1
+        calls_made[0] += 1
+        text = tokenizer.decode(result.sampled_ids, skip_special_tokens=True)
+        reply = parse_hermes(text, f"call_{session.session_id}_{calls_made[0]}") if tools_on else None
+        if reply is not None and reply.error:
+            book.counts["tool_parse_failures"] += 1
+        message = reply.message() if reply is not None else {"role": "assistant", "content": text}
+        session.episode.record(call, plan, message, result.sampled_ids, result.behavior_logprobs,
+                               result.token_versions, result.finish_reason)
+        book.counts["calls"] += 1
+        finish = "tool_calls" if message.get("tool_calls") else result.finish_reason
+        usage = {"prompt_tokens": len(plan.prompt_ids), "completion_tokens": len(result.sampled_ids),
+                 "total_tokens": len(plan.prompt_ids) + len(result.sampled_ids)}
+        reply_id = f"{'chatcmpl' if chat else 'cmpl'}-{session.session_id}-{calls_made[0]}"
+        created = int(time.time())
+        if not chat:
+            return {"id": reply_id, "object": "text_completion", "created": created, "model": settings.model_name,
+                    "choices": [{"index": 0, "text": text, "finish_reason": result.finish_reason,
+                                 "logprobs": None}], "usage": usage}
+        if not body.get("stream"):
+            return {"id": reply_id, "object": "chat.completion", "created": created, "model": settings.model_name,
+                    "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+                    "usage": usage}
+        return StreamingResponse(_sse(reply_id, created, settings.model_name, message, finish, usage, body,
+                                      lambda: book.lose_call(session)), media_type="text/event-stream")
+
+    return app
+
+
+def _chat_call(body: dict) -> tuple[ChatCall, bool]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise SessionError(400, "messages must be a non-empty list of chat messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise SessionError(400, f"messages[{i}] is not a chat message with a role in {list(ROLES)}")
+    tools = body.get("tools") or None
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise SessionError(400, "tools must be a list of OpenAI tool objects")
+    args = body.get("chat_template_kwargs") or {}
+    if not isinstance(args, dict):
+        raise SessionError(400, "chat_template_kwargs must be an object")
+    tools_on = tools is not None and body.get("tool_choice", "auto") != "none"
+    return ChatCall(messages, tools, args), tools_on
+
+
+async def _sse(reply_id: str, created: int, model: str, message: dict, finish: str, usage: dict, body: dict,
+               on_lost) -> AsyncIterator[str]:
+    """The reply as OpenAI chat.completion.chunk events: the role, the content, each tool call, the finish. A
+    client that leaves before the last event lost the call (`on_lost`): its session is not trained."""
+    done = False
+    try:
+        async for event in _events(reply_id, created, model, message, finish, usage, body):
+            yield event
+        done = True
+    finally:
+        if not done:
+            on_lost()
+
+
+async def _events(reply_id: str, created: int, model: str, message: dict, finish: str, usage: dict,
+                  body: dict) -> AsyncIterator[str]:
+    def chunk(delta: dict, finish_reason: str | None = None, **extra: Any) -> str:
+        data = {"id": reply_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}], **extra}
+        return f"data: {json.dumps(data)}\n\n"
+
+    yield chunk({"role": "assistant", "content": ""})
+    if message.get("content"):
+        yield chunk({"content": message["content"]})
+    for i, call in enumerate(message.get("tool_calls") or []):
+        yield chunk({"tool_calls": [{"index": i, **call}]})
+    yield chunk({}, finish)
+    if (body.get("stream_options") or {}).get("include_usage"):
+        data = {"id": reply_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": [], "usage": usage}
+        yield f"data: {json.dumps(data)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+class GatewayServer:
+    """uvicorn serving the app in a daemon thread; `url` once started (port 0 picks a free port)."""
+
+    def __init__(self, book: SessionBook, inbox: CallInbox, settings: ServeSettings, host: str = "127.0.0.1",
+                 port: int = 0) -> None:
+        import uvicorn
+
+        self._base = [""]
+        self.app = build_app(book, inbox, settings, self._base)
+        self.book = book
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port, log_level="warning",
+                                                    access_log=False, lifespan="off"))
+        self.host = host
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._serve()), name="gateway-http", daemon=True)
+
+    async def _serve(self) -> None:
+        async def sweep() -> None:  # deadlines pass with no request to notice them
+            while True:
+                await asyncio.sleep(SWEEP_S)
+                self.book.sweep()
+
+        sweeper = asyncio.create_task(sweep())
+        try:
+            await self.server.serve()
+        finally:
+            sweeper.cancel()
+
+    def start(self, timeout_s: float = 30.0) -> "GatewayServer":
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the session endpoint did not start on {self.host} within {timeout_s} s "
+                                   "(is gateway.port taken?)")
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self._base[0] = f"http://{self.host}:{port}"
+        return self
+
+    @property
+    def url(self) -> str:
+        return self._base[0]
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)

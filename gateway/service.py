@@ -1,0 +1,71 @@
+"""The session endpoint of one rollout worker (gateway.enabled): its sessions, its call inbox and its HTTP server,
+built from the run's config. The worker's loop calls `pump` before each engine step and hands the groups of
+finished sessions (`take_groups`) to the controller as scored groups: their reward came from the client, so no
+reward worker scores them again."""
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+from gateway.chat_render import ChatRenderer
+from gateway.engine_bridge import CallInbox
+from gateway.server import GatewayServer, ServeSettings
+from gateway.sessions import SessionBook
+from protocols.config import RunConfig
+from protocols.trajectory import TrajectoryGroup
+
+
+def check_supported(cfg: RunConfig) -> None:
+    """Refuse what the endpoint does not serve yet, naming the setting."""
+    if cfg.reference.num_workers or cfg.critic.num_workers or cfg.teacher.num_workers:
+        raise ValueError(
+            f"gateway.enabled with reference.num_workers={cfg.reference.num_workers}, teacher.num_workers="
+            f"{cfg.teacher.num_workers} or critic.num_workers={cfg.critic.num_workers}: session groups skip the "
+            "scoring workers (the client gave the reward), so no reference, teacher or critic worker sees them; set "
+            "them to 0 (the learner scores the reference itself)")
+
+
+class GatewayService:
+    def __init__(self, cfg: RunConfig, tokenizer: Any, worker_id: int, make_params: Callable[[int], Any]) -> None:
+        check_supported(cfg)
+        g = cfg.gateway
+        folder = Path(cfg.output_dir) / "gateway"
+        folder.mkdir(parents=True, exist_ok=True)
+        self.book = SessionBook(ChatRenderer(tokenizer), g.history, g.max_sessions, g.session_timeout_s,
+                                cfg.rollout.samples_per_prompt, worker_id,
+                                records=folder / f"episodes-worker-{worker_id}.jsonl")
+        self.inbox = CallInbox(make_params)
+        settings = ServeSettings(
+            model_name=g.model_name, max_tokens=g.max_tokens or cfg.rollout.max_response_tokens,
+            max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens,
+            max_calls_in_flight=g.max_calls_in_flight, retry_after_s=g.retry_after_s, tool_parser=g.tool_parser)
+        self.server = GatewayServer(self.book, self.inbox, settings, g.host, g.port + worker_id if g.port else 0)
+        self.server.start()
+        self.worker_id = worker_id
+        self._write_url(cfg.output_dir)
+
+    def _write_url(self, output_dir: str) -> None:
+        """`RUN/gateway/worker-<id>.json` names this worker's endpoint, for agent programs to find it (its
+        sessions' records go to `episodes-worker-<id>.jsonl` beside it)."""
+        folder = Path(output_dir) / "gateway"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"worker-{self.worker_id}.json").write_text(
+            json.dumps({"worker_id": self.worker_id, "url": self.url, "sessions": f"{self.url}/sessions"}))
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def pump(self, decoding) -> None:
+        self.inbox.pump(decoding)
+
+    def take_groups(self) -> list[TrajectoryGroup]:
+        return self.book.take_groups()
+
+    def report(self) -> dict[str, float]:
+        return {**self.book.counts, "calls_in_flight": self.inbox.in_flight,
+                "open_sessions": self.book.open_sessions}
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.inbox.fail_all("the rollout worker stopped serving")

@@ -1,0 +1,59 @@
+"""The settings of the session endpoint (gateway/): an OpenAI-compatible server on 127.0.0.1 that agent programs
+call with the stock `openai` SDK, whose calls become token-exact training episodes. Off by default."""
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class GatewayConfig(BaseModel):
+    """`gateway.enabled: true` serves sessions from each rollout worker's engine beside the groups it generates."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = False
+    """Serve the endpoint. Off: rollouts are the run's own prompts only, as before."""
+
+    host: str = "127.0.0.1"
+    """Address the server binds. Loopback only: a session key is a bearer secret, and the server has no TLS."""
+
+    port: int = Field(0, ge=0, le=65535)
+    """First port; rollout worker i serves on port + i. 0: each worker takes a free port (its URL is written to
+    the run folder's gateway.json)."""
+
+    history: Literal["extend", "render"] = "extend"
+    """How a call that repeats earlier turns is built: `extend` keeps them as the engine sampled them (one sample
+    per episode even where the chat template would drop earlier thinking); `render` follows the template, and an
+    episode splits where the template's tokens differ from the engine's (gateway/episode.py)."""
+
+    tool_parser: Literal["hermes", "none"] = "hermes"
+    """How a reply's tool calls are read into OpenAI `tool_calls`: `hermes` (Qwen2.5/Qwen3 `<tool_call>` JSON,
+    as vLLM's parser reads it); `none` returns the text as content."""
+
+    model_name: str = Field("relayrl", min_length=1)
+    """The model id /v1/models lists and replies carry. Requests may name any model: the run's policy serves."""
+
+    max_sessions: int = Field(1024, ge=1)
+    """Open sessions per worker; a new session past it is answered 429 with Retry-After."""
+
+    max_calls_in_flight: int = Field(64, ge=1)
+    """Calls a worker's engine serves at once for the endpoint; past it a call is answered 429 with Retry-After
+    (never dropped silently). Its groups and these calls share the engine's rollout.max_num_seqs."""
+
+    retry_after_s: int = Field(1, ge=1, le=3600)
+    """Seconds a 429 asks the client to wait (the Retry-After header)."""
+
+    session_timeout_s: float = Field(600.0, gt=0)
+    """A session's deadline from its creation (a client may ask for less). A session with no reward by then is
+    finished untrained, and counted."""
+
+    max_tokens: int | None = Field(None, ge=1)
+    """Most new tokens per call; None: rollout.max_response_tokens. A request's max_tokens is clamped to it."""
+
+    @field_validator("host")
+    @classmethod
+    def _loopback(cls, host: str) -> str:
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            raise ValueError(f"gateway.host={host!r}: the session endpoint binds loopback only (127.0.0.1, ::1 or "
+                             "localhost); reach it from elsewhere through an SSH tunnel or a proxy you secure")
+        return host

@@ -1,0 +1,297 @@
+"""The session endpoint (gateway/) served by a real rollout worker's vLLM engine, driven by the stock `openai` SDK:
+a 3-call episode (a tool result and a user turn between the calls, one call streamed) becomes one training sample
+whose ids are what the engine saw and sampled, whose behavior log-probs match a transformers forward, and whose
+inserted tokens carry no loss; and hostile or broken clients get clear statuses while the server goes on.
+
+The worker is built outside Ray, as in test_agent_loop_engine; `EngineThread` steps its decode loop and pumps
+the endpoint's calls into it, as `RolloutWorker.run` does between its other work."""
+
+import gc
+import os
+import threading
+
+import httpx
+import openai
+import pytest
+import torch
+
+from gateway.engine_bridge import EngineThread
+from tests.tiny_chat_tokenizer import build_chat_tokenizer
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("session_endpoint")]
+
+TOOLS = [{"type": "function", "function": {"name": "calc", "description": "Evaluate an arithmetic expression.",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"e": {"type": "string"}}}}}]
+MAX_CALLS = 3
+MAX_SESSIONS = 1000
+VERSION = [0]
+"""The policy version the engine thread stamps tokens with (a test moves it, as a weight load would)."""
+
+
+def build_chat_model(folder) -> str:
+    """A random untied Qwen2 (head_dim 64 for vLLM's CPU attention) over the Qwen2.5-template tokenizer."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tok = build_chat_tokenizer(folder)
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=2048,
+                         tie_word_embeddings=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                         bos_token_id=None, dtype="float32")
+    torch.manual_seed(3)
+    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(str(folder))
+    return str(folder)
+
+
+class RecordingEngine:
+    """The engine, recording each request's prompt ids and the ids it returned once the request ended."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.log: list[tuple[list[int], list[int]]] = []
+        self._prompts: dict[str, list[int]] = {}
+
+    def add_request(self, request_id, prompt, params):
+        self._prompts[request_id] = list(prompt["prompt_token_ids"])
+        self.engine.add_request(request_id, prompt, params)
+
+    def step(self):
+        outs = self.engine.step()
+        for out in outs:
+            if out.finished:
+                self.log.append((self._prompts.pop(out.request_id), list(out.outputs[0].token_ids)))
+        return outs
+
+    def has_unfinished_requests(self):
+        return self.engine.has_unfinished_requests()
+
+    def abort_request(self, request_ids):
+        self.engine.abort_request(request_ids)
+
+
+@pytest.fixture(scope="module")
+def endpoint(tmp_path_factory):
+    from actors.rollout_worker import RolloutWorker
+    from protocols.config import RunConfig
+
+    path = build_chat_model(tmp_path_factory.mktemp("chat_model"))
+    cfg = RunConfig.model_validate({
+        "output_dir": str(tmp_path_factory.mktemp("run")), "model": {"path": path},
+        "data": {"max_prompt_tokens": 1536}, "rollout": {"max_response_tokens": 32, "max_num_seqs": 8, "samples_per_prompt": 2},
+        "gateway": {"enabled": True, "max_calls_in_flight": MAX_CALLS, "max_sessions": MAX_SESSIONS},
+        "weight_sync": {"verify_every": 0}})
+    env, affinity, threads = dict(os.environ), os.sched_getaffinity(0), torch.get_num_threads()
+    worker = RolloutWorker(cfg, 0, path)
+    recording = RecordingEngine(worker.decoding.engine)
+    worker.decoding.engine = recording
+    VERSION[0] = worker.version
+    loop = EngineThread(worker.decoding, worker.gateway.inbox, lambda: VERSION[0]).start()
+    yield worker, loop, recording, path
+    loop.stop()
+    worker.gateway.stop()
+    del worker
+    gc.collect()
+    os.environ.clear()
+    os.environ.update(env)
+    os.sched_setaffinity(0, affinity)
+    torch.set_num_threads(threads)
+
+
+def new_session(url: str, **body) -> dict:
+    r = httpx.post(f"{url}/sessions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def echo(message) -> dict:
+    """The assistant message as an agent sends it back: the SDK's model, dumped."""
+    return message.model_dump(exclude_none=True)
+
+
+def test_an_openai_sdk_episode_is_one_sample_of_exactly_the_engine_log(endpoint):
+    from transformers import Qwen2ForCausalLM
+
+    worker, loop, recording, path = endpoint
+    url = worker.gateway.url
+    # two sessions of one task: the learner's group (rollout.samples_per_prompt=2)
+    s, other = new_session(url, group="t1"), new_session(url, group="t1")
+    client = openai.OpenAI(base_url=s["base_url"], api_key=s["api_key"], max_retries=0)
+    assert [m.id for m in client.models.list()] == ["relayrl"]
+    logged = len(recording.log)
+    messages = [{"role": "user", "content": "what is 12*3?"}]
+    first = client.chat.completions.create(model="any", messages=messages, tools=TOOLS, max_tokens=8,
+                                           temperature=0.1)  # the run's temperature is used, and counted
+    messages += [echo(first.choices[0].message), {"role": "tool", "tool_call_id": "c1", "content": "36"}]
+    # the second call streamed: the SDK's chunks put back together
+    content, calls = "", []
+    for chunk in client.chat.completions.create(model="any", messages=messages, tools=TOOLS, max_tokens=8,
+                                                stream=True):
+        delta = chunk.choices[0].delta if chunk.choices else None
+        content += (delta.content or "") if delta else ""
+        calls += [c.model_dump(exclude_none=True) for c in (delta.tool_calls or [])] if delta else []
+    messages += [{"role": "assistant", "content": content,
+                  **({"tool_calls": [{k: v for k, v in c.items() if k != "index"} for c in calls]} if calls else {})},
+                 {"role": "user", "content": "sure?"}]
+    third = client.chat.completions.create(model="any", messages=messages, tools=TOOLS, max_tokens=8)
+    assert third.usage.prompt_tokens > first.usage.prompt_tokens
+    r = httpx.post(f"{url}/sessions/{s['session_id']}/reward", json={"reward": {"reward": 1.0, "correct": True}},
+                   headers={"Authorization": f"Bearer {s['api_key']}"})
+    assert r.status_code == 200 and r.json()["calls"] == 3
+    log = recording.log[logged:]
+    assert len(log) == 3
+    openai.OpenAI(base_url=other["base_url"], api_key=other["api_key"], max_retries=0).chat.completions.create(
+        model="any", messages=[{"role": "user", "content": "what is 12*3?"}], max_tokens=4)
+    httpx.post(f"{url}/sessions/{other['session_id']}/reward", json={"reward": 0},
+               headers={"Authorization": f"Bearer {other['api_key']}"})
+    (group,) = worker.gateway.take_groups()
+    t, t_other = group.trajectories
+    assert (t_other.reward, t_other.sample_index) == (0.0, 1)
+    # one sample: the last call's prompt and sampled ids, which start with each earlier call's prompt + sampled
+    (p1, s1), (p2, s2), (p3, s3) = log
+    assert p2[: len(p1) + len(s1)] == p1 + s1 and p3[: len(p2) + len(s2)] == p2 + s2
+    assert t.prompt.prompt_token_ids == p1 and p1 + t.response_token_ids == p3 + s3
+    mask = t.loss_mask
+    assert sum(mask) == len(s1) + len(s2) + len(s3)
+    assert mask == [True] * len(s1) + [False] * (len(p2) - len(p1) - len(s1)) + [True] * len(s2) + [False] * (
+        len(p3) - len(p2) - len(s2)) + [True] * len(s3)
+    assert all(v == 0 for v, m in zip(t.token_versions, mask) if m)
+    assert all(v == -1 and lp == 0.0 for v, lp, m in zip(t.token_versions, t.behavior_logprobs, mask) if not m)
+    assert (t.reward, t.result.correct) == (1.0, True)
+    # every sampled token's log-prob is the model's (temperature 1, fp32): a transformers forward of the sample
+    model = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = p1 + t.response_token_ids
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].double()
+    hf = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)[len(p1) - 1:]
+    engine = torch.tensor(t.behavior_logprobs, dtype=torch.float64)
+    m = torch.tensor(mask)
+    torch.testing.assert_close(engine[m], hf[m], atol=2e-4, rtol=0)
+    counts = worker.gateway.book.counts
+    assert counts["ignored_sampling"] >= 1 and counts["sessions_rewarded"] >= 1
+
+
+def test_completions_and_key_selected_routes_serve_the_session(endpoint):
+    worker, *_ = endpoint
+    s = new_session(worker.gateway.url)
+    # the same session through /v1 (the key alone selects it) and through its own base_url
+    by_key = openai.OpenAI(base_url=f"{worker.gateway.url}/v1", api_key=s["api_key"], max_retries=0)
+    first = by_key.completions.create(model="any", prompt="12*3=", max_tokens=4)
+    assert first.usage.completion_tokens >= 1 and first.choices[0].finish_reason in ("stop", "length")
+    session = worker.gateway.book.sessions[s["session_id"]]
+    (call,) = session.episode.calls
+    # a second completion on the first's prompt + its text: joins it at the token level when the ids agree
+    by_url = openai.OpenAI(base_url=s["base_url"], api_key=s["api_key"], max_retries=0)
+    by_url.completions.create(model="any", prompt=call.ids, max_tokens=4, extra_body={})
+    assert session.episode.calls[1].plan.parent == 0
+    httpx.post(f"{worker.gateway.url}/sessions/{s['session_id']}/finish",
+               headers={"Authorization": f"Bearer {s['api_key']}"})
+    assert worker.gateway.take_groups() == []  # finished without a reward: not trained
+
+
+def test_broken_and_hostile_clients_get_clear_statuses(endpoint):
+    worker, loop, *_ = endpoint
+    url = worker.gateway.url
+    s = new_session(url)
+    auth = {"Authorization": f"Bearer {s['api_key']}"}
+    chat = f"{url}/sessions/{s['session_id']}/v1/chat/completions"
+    hi = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert httpx.post(chat, content=b"{not json", headers=auth).status_code == 400
+    assert httpx.post(chat, json={"messages": "hi"}, headers=auth).status_code == 400
+    assert httpx.post(chat, json=hi, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.post(f"{url}/sessions/nope/v1/chat/completions", json=hi, headers=auth).status_code == 404
+    assert httpx.post(chat, json={**hi, "max_tokens": 10**9}, headers=auth).status_code == 200  # clamped to 32
+    assert worker.gateway.book.counts["clamped_max_tokens"] >= 1
+    reward = f"{url}/sessions/{s['session_id']}/reward"
+    assert httpx.post(reward, json={"reward": "high"}, headers=auth).status_code == 400
+    assert httpx.post(reward, json={"reward": 0.5}, headers=auth).status_code == 200
+    r = httpx.post(reward, json={"reward": 0.5}, headers=auth)
+    assert r.status_code == 409 and "already has its reward" in r.json()["error"]["message"]
+    assert httpx.post(chat, json=hi, headers=auth).status_code == 410  # finished
+    worker.gateway.take_groups()
+    # a reward after the session finished without one is refused
+    late = new_session(url)
+    late_auth = {"Authorization": f"Bearer {late['api_key']}"}
+    httpx.post(f"{url}/sessions/{late['session_id']}/finish", headers=late_auth)
+    r = httpx.post(f"{url}/sessions/{late['session_id']}/reward", json={"reward": 1}, headers=late_auth)
+    assert r.status_code == 410
+
+
+def test_over_capacity_a_call_is_answered_429_with_retry_after_and_the_waiting_ones_are_served(endpoint):
+    worker, loop, *_ = endpoint
+    s = new_session(worker.gateway.url)
+    client = openai.OpenAI(base_url=s["base_url"], api_key=s["api_key"], max_retries=0)
+    loop.pause()  # the engine stops taking calls: MAX_CALLS of them wait in the inbox
+    results: list = []
+
+    def call(i):
+        results.append(client.chat.completions.create(
+            model="any", messages=[{"role": "user", "content": f"q{i}"}], max_tokens=2))
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(MAX_CALLS)]
+    for th in threads:
+        th.start()
+    while worker.gateway.inbox.in_flight < MAX_CALLS:
+        threading.Event().wait(0.01)
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.chat.completions.create(model="any", messages=[{"role": "user", "content": "one more"}], max_tokens=2)
+    assert refused.value.response.headers["Retry-After"] == "1"
+    loop.resume()
+    for th in threads:
+        th.join(60)
+    assert len(results) == MAX_CALLS and worker.gateway.book.counts["calls_refused"] >= 1
+
+
+def test_a_thousand_sessions_open_then_the_next_waits(endpoint):
+    worker, *_ = endpoint
+    url = worker.gateway.url
+    book = worker.gateway.book
+    before = book.open_sessions  # earlier tests' sessions left open
+    with httpx.Client() as http:
+        opened = [http.post(f"{url}/sessions").json() for _ in range(MAX_SESSIONS - before)]
+        r = http.post(f"{url}/sessions")
+        assert r.status_code == 429 and r.headers["Retry-After"] == "1"
+        for s in opened:
+            http.post(f"{url}/sessions/{s['session_id']}/finish", headers={"Authorization": f"Bearer {s['api_key']}"})
+    assert book.open_sessions == before and new_session(url)["session_id"]
+
+
+def test_a_session_past_its_deadline_is_finished_untrained(endpoint):
+    worker, *_ = endpoint
+    before = worker.gateway.book.counts["sessions_no_reward"]
+    s = new_session(worker.gateway.url, timeout_s=0.05)
+    threading.Event().wait(1.0)  # two sweeps of the server (every 0.5 s)
+    assert worker.gateway.book.counts["sessions_no_reward"] == before + 1
+    r = httpx.post(f"{worker.gateway.url}/sessions/{s['session_id']}/reward", json={"reward": 1},
+                   headers={"Authorization": f"Bearer {s['api_key']}"})
+    assert r.status_code == 410
+
+
+def test_a_weight_update_mid_call_stamps_the_later_tokens_and_the_client_sees_no_abort(endpoint):
+    worker, loop, recording, _ = endpoint
+    s = new_session(worker.gateway.url)
+    client = openai.OpenAI(base_url=s["base_url"], api_key=s["api_key"], max_retries=0)
+    decoding, inbox = worker.decoding, worker.gateway.inbox
+    for _ in range(5):  # a random model may stop (EOS) within the steps below; then the call is made again
+        loop.pause()
+        replies: list = []
+        th = threading.Thread(target=lambda: replies.append(client.chat.completions.create(
+            model="any", messages=[{"role": "user", "content": "count"}], max_tokens=12)))
+        th.start()
+        while inbox.in_flight < 1:
+            threading.Event().wait(0.01)
+        inbox.pump(decoding)
+        for _ in range(3):  # the prefill step samples the first token, then one token a step: 3 at version v
+            decoding.step(VERSION[0])
+        VERSION[0] += 1  # the weights change between two steps; the call goes on
+        loop.resume()
+        th.join(60)
+        (reply,) = replies
+        session = worker.gateway.book.sessions[s["session_id"]]
+        versions = session.episode.calls[-1].token_versions
+        if len(versions) > 3:
+            break
+    v = VERSION[0]
+    assert versions == [v - 1] * 3 + [v] * (len(versions) - 3)
+    assert reply.choices[0].finish_reason in ("stop", "length")
