@@ -76,7 +76,7 @@ class LearnerRank(TrainingRank, RankWeights):
         if cfg.learner.gradient_checkpointing:
             enable_gradient_checkpointing(model, cfg.learner.uncheckpointed_layers,
                                           cfg.learner.checkpoint_keeps_attention)
-        self.lora = cfg.model.lora.enabled
+        self.lora = cfg.model.lora.enabled  # (also read by the checkpoint: learner/rank_checkpoint.py)
         if self.lora:
             # model.lora: peft freezes the base model and adds the adapter, the only parameters that train
             from peft import get_peft_model
@@ -91,8 +91,8 @@ class LearnerRank(TrainingRank, RankWeights):
             self.groups, mpu = enable_sequence_parallel(model, self.sp)
         self.ref_model = None
         self.ref_is_base = self.lora and needs_ref_logprobs(cfg.algorithm) and cfg.reference.num_workers == 0
-        """With LoRA the frozen initial policy is the base model under the adapter: the reference is the same
-        model with the adapter disabled (`_reference_scores`), no second copy."""
+        """With LoRA the frozen initial policy is the base model (peft's adapter starts at zero): the reference is
+        the same model with the adapter disabled (ref_logprobs, _policy_and_ref_scores), no second copy."""
         if needs_ref_logprobs(cfg.algorithm) and cfg.reference.num_workers == 0 and not self.lora:
             # Frozen initial policy for the KL term. With reference.num_workers > 0 the reference workers send
             # its log-probs with every trajectory instead, and the rank holds no second copy of the model.
