@@ -6,7 +6,9 @@ One adapter id per engine, replaced in place (`load_inplace`), rather than a new
 newer weights between two decode steps and stamps each step's tokens with the version it holds
 (actors/rollout_worker.py); a replace in place makes every request in flight decode its next token with the new
 adapter, just as a full-weight reload does, so that stamp stays the version that sampled each token and nothing
-else changes: the importance ratio, the staleness limits and the sync check read the same version. With a new id
+else changes: the importance ratio, the staleness limits and the sync check read the same version (as after a
+full-weight reload, the keys and values of tokens already processed stay those of the old adapter;
+tests/test_lora_engine.py checks a request switched mid-sample token by token). With a new id
 per version a request would keep the adapter it started with (its LoRARequest is fixed at admission): its tokens
 would need its own version instead of the engine's, the engine would hold one adapter slot per version still in
 flight (`max_loras`; on CPU each slot costs decode time), and partial rollouts would silently stop taking new
