@@ -18,6 +18,7 @@ import ray
 from actors import eval_generation
 from actors.agent_loop import AgentLoop
 from actors.decode_loop import DecodeLoop, SampleInFlight, finish_every_request
+from actors.lora_adapter import AdapterRequests, EngineAdapter, lora_engine_args
 from actors.score_router import ScoreRouter
 from actors.vllm_weights import load_checkpoint_weights, tensor_parallel_engine_args
 from actors.weight_probe_requests import ProbingEngine
@@ -82,6 +83,8 @@ class RolloutWorker:
                 # Behavior log-probs of the distribution actually sampled (after temperature), as the ratio needs.
                 logprobs_mode="processed_logprobs",
                 trust_remote_code=cfg.model.trust_remote_code,
+                # model.lora: the engine serves the policy's adapter on the frozen base (actors/lora_adapter.py)
+                **lora_engine_args(cfg.model.lora),
                 **extra,
             )
         except (OSError, ValueError, RuntimeError) as err:
@@ -94,17 +97,26 @@ class RolloutWorker:
             ) from err
         self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
+        self.adapter: EngineAdapter | None = None
+        """model.lora: the adapter this engine holds; each weight load replaces it in place."""
+        requests = self.engine
+        """The engine as the decode loop and the probe add requests to it (with LoRA, each carries the adapter)."""
+        if cfg.model.lora.enabled:
+            self.adapter = EngineAdapter(self.llm, cfg.model.lora, model_path, worker_id, cfg.model.trust_remote_code)
+            requests = AdapterRequests(self.engine, self.adapter)
+        self.requests = requests
         self.probing: ProbingEngine | None = None
         """The weight-sync check's probe, scored in the engine after each checked version (weight_sync.verify_every)."""
         if cfg.weight_sync.verify_every:
             probe = run_probe(cfg, len(self.tokenizer))
             check_probe_fits(probe, max_len)
-            self.probing = ProbingEngine(self.engine, probe)
+            self.probing = ProbingEngine(requests, probe)
         self.skip_on_load: str | None = None
-        """Tests only (`inject_weight_fault`): a tensor every later load leaves out, as a broken transport would."""
+        """Tests only (`inject_weight_fault`): the tensors every later load leaves out (those whose names start with
+        it), as a broken transport would."""
         self.agent = AgentLoop(cfg.tools, cfg.reward, self.tokenizer) if cfg.tools.enabled else None
         """With tools (cfg.tools): the agent loop, which runs a sample's tool calls beside the engine."""
-        self.decoding = DecodeLoop(self.probing or self.engine, self._sampling_params, cfg.rollout.samples_per_prompt,
+        self.decoding = DecodeLoop(self.probing or requests, self._sampling_params, cfg.rollout.samples_per_prompt,
                                    cfg.rollout.max_response_tokens, worker_id,
                                    on_request_end=self.agent or finish_every_request,
                                    max_num_seqs=cfg.rollout.max_num_seqs if cfg.rollout.length_aware_dispatch else None)
@@ -138,13 +150,22 @@ class RolloutWorker:
             raise ValueError(f"worker {self.worker_id}: weight version {announcement.version} is not newer than "
                              f"{self.version}")
         start = time.perf_counter()
-        version = self.receiver.load(announcement, lambda weights: load_checkpoint_weights(self.llm, [
-            (name, tensor) for name, tensor in weights if name != self.skip_on_load]))
+        version = self.receiver.load(announcement, lambda weights: self._apply_weights(
+            [(name, tensor) for name, tensor in weights
+             if self.skip_on_load is None or not name.startswith(self.skip_on_load)]))
         self.policy.loaded(version)
         self._probe_weights(version)
         seconds = time.perf_counter() - start
         self.sync_seconds += seconds
         return seconds
+
+    def _apply_weights(self, weights: list) -> None:
+        """Load a version's checkpoint-format pairs into the engine: the full weights in place, or with LoRA the
+        adapter (replaced in place under the engine's one adapter id)."""
+        if self.adapter is not None:
+            self.adapter.load(weights)
+        else:
+            load_checkpoint_weights(self.llm, weights)
 
     def _probe_weights(self, version: int) -> None:
         """Score the probe under the weights just loaded, if `version` is checked: in the coming decode steps, or
@@ -162,7 +183,8 @@ class RolloutWorker:
         return list(self.probing.results) if self.probing is not None else []
 
     def inject_weight_fault(self, tensor_name: str | None) -> None:
-        """Tests only: leave `tensor_name` out of every later load (None: load everything again)."""
+        """Tests only: leave the tensors whose names start with `tensor_name` out of every later load (a whole
+        name: that tensor; an adapter module's prefix: both its matrices; None: load everything again)."""
         self.skip_on_load = tensor_name
 
     # --- the streaming loop ------------------------------------------------------------------------------------
@@ -291,7 +313,8 @@ class RolloutWorker:
         """Greedy responses for held-out evaluation (with tools: each one's final answer, through the agent loop)."""
         if self.agent is not None:
             return [samples[0].final_text for samples in self._agent_responses(prompts, 1, 0.0, 1.0, 0)]
-        return eval_generation.greedy_texts(self.llm, prompts, self.cfg.rollout.max_response_tokens)
+        return eval_generation.greedy_texts(self.llm, prompts, self.cfg.rollout.max_response_tokens,
+                                            self._lora_request())
 
     def generate_eval(self, prompts: list[Prompt], n: int, temperature: float, top_p: float,
                       seed: int) -> list[list[dict]]:
@@ -301,20 +324,24 @@ class RolloutWorker:
             return [[eval_generation.response_row(t) for t in samples]
                     for samples in self._agent_responses(prompts, n, temperature, top_p, seed)]
         return eval_generation.sample_responses(self.llm, prompts, n, temperature, top_p, seed,
-                                                self.cfg.rollout.max_response_tokens)
+                                                self.cfg.rollout.max_response_tokens, self._lora_request())
 
     def _agent_responses(self, prompts: list[Prompt], n: int, temperature: float, top_p: float, seed: int) -> list:
         # an agent loop of its own, so evaluation's tool calls stay out of the training run's counters
         agent = AgentLoop(self.cfg.tools, self.cfg.reward, self.tokenizer, toolbox=self.agent.toolbox)
         try:
-            return eval_generation.agent_responses(self.engine, agent, prompts, n, temperature, top_p, seed,
+            return eval_generation.agent_responses(self.requests, agent, prompts, n, temperature, top_p, seed,
                                                    self.cfg.rollout.max_response_tokens)
         finally:
             agent.close()
 
     def sequence_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
         """log p(response token) under the engine's current weights, for checking that a weight sync is exact."""
-        return eval_generation.sequence_logprobs(self.llm, prompt_ids, response_ids)
+        return eval_generation.sequence_logprobs(self.llm, prompt_ids, response_ids, self._lora_request())
+
+    def _lora_request(self):
+        """The LoRARequest of the adapter this engine holds (None without LoRA), for `LLM.generate`."""
+        return self.adapter.request if self.adapter is not None else None
 
     @property
     def version(self) -> int:

@@ -37,6 +37,17 @@ def check_vllm_interfaces() -> str:
         missing.append("vllm.v1.worker.gpu_model_runner.GPUModelRunner")
     elif not {"weights_iterator", "is_checkpoint_format"} <= params:
         missing.append("GPUModelRunner.reload_weights(weights_iterator=..., is_checkpoint_format=...)")
+    # model.lora (actors/lora_adapter.py): adapters replaced in place in a running engine
+    try:
+        from vllm.lora.request import LoRARequest
+        from vllm.v1.engine.llm_engine import LLMEngine
+    except ImportError as err:
+        missing.append(f"vllm.lora.request.LoRARequest / vllm.v1.engine.llm_engine.LLMEngine ({err})")
+    else:
+        if "load_inplace" not in LoRARequest.__struct_fields__:
+            missing.append("LoRARequest(load_inplace=...) (an adapter replaced in place)")
+        if not callable(getattr(LLMEngine, "add_lora", None)):
+            missing.append("LLMEngine.add_lora")
     if missing:
         raise RuntimeError(
             f"vLLM {vllm.__version__} lacks interfaces relayrl loads weights through: {'; '.join(missing)}. "

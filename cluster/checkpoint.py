@@ -32,7 +32,7 @@ REQUIRED = ("state.json", "config.yaml", "policy/config.json", "learner", MANIFE
 """Pieces every complete checkpoint holds (manifest.json then lists every file)."""
 
 SHAPE_SETTINGS = (
-    "model.path", "model.demo", "model.dtype",
+    "model.path", "model.demo", "model.dtype", "model.lora",
     "rollout.samples_per_prompt",
     "learner.num_ranks", "learner.zero_stage", "learner.sequence_parallel_size", "learner.prompts_per_step",
     "critic.num_workers", "critic.model_path", "critic.zero_stage",

@@ -76,13 +76,24 @@ class LearnerRank(TrainingRank, RankWeights):
         if cfg.learner.gradient_checkpointing:
             enable_gradient_checkpointing(model, cfg.learner.uncheckpointed_layers,
                                           cfg.learner.checkpoint_keeps_attention)
+        self.lora = cfg.model.lora.enabled  # (also read by the checkpoint: learner/rank_checkpoint.py)
+        if self.lora:
+            # model.lora: peft freezes the base model and adds the adapter, the only parameters that train
+            from peft import get_peft_model
+
+            from weights.lora import peft_config
+
+            model = get_peft_model(model, peft_config(cfg.model.lora, self.model_path))
         mpu = None
         if self.sp > 1:
             from learner.sequence_parallel_rank import enable_sequence_parallel
 
             self.groups, mpu = enable_sequence_parallel(model, self.sp)
         self.ref_model = None
-        if needs_ref_logprobs(cfg.algorithm) and cfg.reference.num_workers == 0:
+        self.ref_is_base = self.lora and needs_ref_logprobs(cfg.algorithm) and cfg.reference.num_workers == 0
+        """With LoRA the frozen initial policy is the base model (peft's adapter starts at zero): the reference is
+        the same model with the adapter disabled (ref_logprobs, _policy_and_ref_scores), no second copy."""
+        if needs_ref_logprobs(cfg.algorithm) and cfg.reference.num_workers == 0 and not self.lora:
             # Frozen initial policy for the KL term. With reference.num_workers > 0 the reference workers send
             # its log-probs with every trajectory instead, and the rank holds no second copy of the model.
             self.ref_model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype,
@@ -104,7 +115,9 @@ class LearnerRank(TrainingRank, RankWeights):
         per_rank = -(-cfg.samples_per_step // (self.world_size // self.sp))
         self.num_micro = len(micro_batches(per_rank, cfg.learner.micro_batch_size))
         fused = cfg.learner.fused_adamw and self.use_cuda  # the fp32 master copies DeepSpeed steps live on the GPU
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learner.lr, betas=cfg.learner.betas,
+        # with LoRA only the adapter trains: the optimizer (and its moments) hold the adapter alone
+        trained = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trained, lr=cfg.learner.lr, betas=cfg.learner.betas,
                                       weight_decay=cfg.learner.weight_decay, fused=fused or None)
         ds_config = deepspeed_config(self.num_micro, cfg.learner.max_grad_norm, cfg.learner.zero_stage,
                                      cfg.model.dtype)
@@ -151,7 +164,15 @@ class LearnerRank(TrainingRank, RankWeights):
 
     def ref_logprobs(self, shard: TrainingBatch, plan: list[list[int]] | None = None) -> torch.Tensor:
         """(B, T) reference-policy log-probs of the shard's loss tokens, when the rank holds the reference model
-        (reference.num_workers = 0). The driver asks once per step and puts them in the batch."""
+        (reference.num_workers = 0; with LoRA, the base model under the disabled adapter). The driver asks once
+        per step and puts them in the batch."""
+        if self.ref_is_base:
+            self.engine.eval()
+            try:
+                with self.engine.module.disable_adapter():
+                    return self._score_shard(self.engine, shard, plan)
+            finally:
+                self.engine.train()
         if self.ref_model is None:
             raise RuntimeError(
                 f"this learner rank holds no reference model (reference.num_workers={self.cfg.reference.num_workers}, "
@@ -231,7 +252,8 @@ class LearnerRank(TrainingRank, RankWeights):
 
     def _check_ref(self, shard: TrainingBatch) -> None:
         """A KL needs reference log-probs: from the batch, or from the rank's own reference model."""
-        if needs_ref_logprobs(self.cfg.algorithm) and self.ref_model is None and shard.ref_logprobs is None:
+        if (needs_ref_logprobs(self.cfg.algorithm) and self.ref_model is None and not self.ref_is_base
+                and shard.ref_logprobs is None):
             raise ValueError(
                 f"reference.num_workers={self.cfg.reference.num_workers} with algorithm.kl.beta="
                 f"{self.cfg.algorithm.kl.beta}: the learner holds no reference model, so the batch must bring "
@@ -249,6 +271,9 @@ class LearnerRank(TrainingRank, RankWeights):
         if ref is None and self.ref_model is not None:
             with torch.no_grad():
                 ref, _ = score(self.ref_model, batch, cfg.rollout.temperature, cfg.learner.logits_chunk_tokens)
+        elif ref is None and self.ref_is_base:
+            with torch.no_grad(), self.engine.module.disable_adapter():
+                ref, _ = score(self.engine, batch, cfg.rollout.temperature, cfg.learner.logits_chunk_tokens)
         return logprobs, entropy, ref
 
     def _finish_step(self, summed: dict[str, float], start: float, num_micro: int, dev: torch.device,

@@ -21,6 +21,10 @@ class RankCheckpoint:
     """Needs `self.engine` (the DeepSpeed engine), `self.rank` and `self.role`. A rank with counters of its own to
     resume (the critic's version) overrides client_state and restore_client_state."""
 
+    lora = False
+    """A rank that trains a LoRA adapter (model.lora): its checkpoint holds the adapter and its optimizer state,
+    not the frozen base model, which comes from model.path again on resume."""
+
     def client_state(self) -> dict:
         """The rank's own state saved inside its DeepSpeed checkpoint; none for the policy's ranks."""
         return {}
@@ -32,7 +36,8 @@ class RankCheckpoint:
         """Write this rank's part of a DeepSpeed checkpoint (weights, its optimizer partition, client_state())
         under `folder`/ds and its RNG states to `folder`/rng_rank{r}.pt. Collective: every rank calls it together.
         Returns optimizer_digest() as saved, with client_state()."""
-        self.engine.save_checkpoint(folder, tag=DS_TAG, save_latest=False, client_state=self.client_state())
+        self.engine.save_checkpoint(folder, tag=DS_TAG, save_latest=False, client_state=self.client_state(),
+                                    exclude_frozen_parameters=self.lora)
         torch.save(capture_rng_state(), os.path.join(folder, f"rng_rank{self.rank}.pt"))
         return {**self.optimizer_digest(), **self.client_state()}
 
@@ -41,7 +46,7 @@ class RankCheckpoint:
         states). Collective. Returns optimizer_digest() as loaded, with client_state(), so the caller can compare
         it with the saved one."""
         path, client = self.engine.load_checkpoint(folder, tag=DS_TAG, load_optimizer_states=True,
-                                                   load_lr_scheduler_states=True)
+                                                   load_lr_scheduler_states=True, load_module_strict=not self.lora)
         if path is None:
             raise RuntimeError(f"{self.role} rank {self.rank}: DeepSpeed found no checkpoint `{DS_TAG}` in {folder}")
         self.restore_client_state(client)

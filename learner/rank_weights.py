@@ -10,6 +10,7 @@ import torch
 
 from protocols.weight_announcement import WeightAnnouncement
 from weights.backends import weight_backend
+from weights.lora import ADAPTER_SUBFOLDER, adapter_params, merged_state_dict, save_merged, write_adapter
 from weights.transport import group_address
 
 
@@ -44,6 +45,9 @@ class RankWeights:
         return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
     def _weight_params(self) -> list[tuple[str, torch.nn.Parameter]]:
+        if self.cfg.model.lora.enabled:
+            # model.lora: the adapter alone, in peft's saved names; the base model never changes (weights/lora.py)
+            return adapter_params(self.engine.module)
         # remove_duplicate=False lists a tied lm_head under its own name: vLLM's CPU backend needs it loaded too.
         return list(self.engine.module.named_parameters(remove_duplicate=False))
 
@@ -107,7 +111,11 @@ class RankWeights:
         return self.weight_sender.publish(weights, version)
 
     def save_hf(self, folder: str) -> str | None:
-        """Write the model in Hugging Face format (rank 0). Collective under ZeRO-3."""
+        """Write the model in Hugging Face format (rank 0). Collective under ZeRO-3. With LoRA: the merged model
+        (base + adapter, what transformers and vLLM load without peft) and, in `adapter/`, the adapter in peft
+        format."""
+        if self.cfg.model.lora.enabled:
+            return self._save_lora(folder)
         state = self._full_state_dict()
         if state is None:
             return None
@@ -117,3 +125,28 @@ class RankWeights:
         self.engine.module.save_pretrained(folder, state_dict=state)
         AutoTokenizer.from_pretrained(self.model_path).save_pretrained(folder)
         return folder
+
+    def _save_lora(self, folder: str) -> str | None:
+        module = self.engine.module
+        if self.cfg.learner.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+                parts = self._lora_parts(module) if self.rank == 0 else None
+        else:
+            parts = self._lora_parts(module) if self.rank == 0 else None
+        if parts is None:
+            return None
+        from transformers import AutoTokenizer
+
+        merged, adapter = parts
+        save_merged(folder, module, merged)
+        write_adapter(f"{folder}/{ADAPTER_SUBFOLDER}", adapter, self.cfg.model.lora, self.model_path)
+        AutoTokenizer.from_pretrained(self.model_path).save_pretrained(folder)
+        return folder
+
+    @staticmethod
+    def _lora_parts(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], list[tuple[str, torch.Tensor]]]:
+        """(the merged model's state, the adapter's saved-name tensors), host copies taken while whole."""
+        with torch.no_grad():
+            return merged_state_dict(module), [(n, p.detach().to("cpu").clone()) for n, p in adapter_params(module)]

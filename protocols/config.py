@@ -418,6 +418,25 @@ class RunConfig(BaseModel):
                 "algorithm.dynamic_sampling=false (or use a preset without it, e.g. grpo), or lower the weight")
         return self
 
+    @model_validator(mode="after")
+    def _check_lora(self) -> "RunConfig":
+        """What LoRA (model.lora.rank > 0) does not run correctly, refused before any actor starts."""
+        lora = self.model.lora
+        if not lora.enabled:
+            return self
+        if self.model.dtype != "float32" and not self.cluster.use_gpus:
+            raise ValueError(
+                f"model.lora.rank={lora.rank} with model.dtype={self.model.dtype} on CPU (cluster.use_gpus=false): "
+                "with an adapter, vLLM's CPU kernels and the learner disagree far more in 16-bit than without one "
+                "(docs/lora.md), so the importance ratios and the weight-sync check would be off. Use "
+                "model.dtype=float32 on CPU")
+        if self.learner.sequence_parallel_size > 1:
+            raise ValueError(
+                f"model.lora.rank={lora.rank} with learner.sequence_parallel_size="
+                f"{self.learner.sequence_parallel_size}: LoRA has not been run under sequence parallelism. Use "
+                "learner.sequence_parallel_size=1, or model.lora.rank=0")
+        return self
+
     def _check_sequence_parallel_algorithm(self, sp: int) -> None:
         """What sequence parallelism does not run correctly. (Whole-sequence quantities, GSPO's ratio and
         sequence-level off-policy masks, are summed over the SP group: learner.sequence_parallel

@@ -8,6 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from protocols.lora import LoraConfig
+
 
 class DemoModelConfig(BaseModel):
     """A Qwen2-architecture model small enough to train in minutes on 2 CPU cores, for the arithmetic task."""
@@ -88,3 +90,7 @@ class ModelConfig(BaseModel):
 
     trust_remote_code: bool = False
     """Let transformers and vLLM run model code shipped inside the folder. Only for folders you trust."""
+
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    """Train a LoRA adapter instead of the full weights (`model.lora.rank=16`); the engines serve the adapter and
+    each weight sync moves it alone (docs/lora.md). Off by default (rank 0)."""

@@ -2,7 +2,8 @@
 the setting. The learner rank builds its sender here, each rollout worker its receiver, and the driver asks whether
 the backend forms a group.
 
-Adding a backend, or a payload of its own (such as adapter-only weights), is one module:
+Adding a backend is one module (what it carries is the learner's choice: the full weights, or with model.lora the
+adapter alone, weights/lora.py; a backend moves whatever (name, tensor) pairs it is given):
   1. weights/<type>.py with a `WeightSender` (`send`, `send_delta`), a `WeightReceiver` (`stage`; `join` when the
      backend forms a group) and `BACKEND = WeightBackend("<type>", Sender, Receiver, group_info=...)`
      (weights/transport.py). Import Ray or anything heavy inside the methods: the learner loads this package.
