@@ -10,6 +10,18 @@ RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 """Resources Ray defines itself; the per-role custom resource maps must not name them."""
 
 
+def check_custom_resources(section: str, value: dict[str, float]) -> dict[str, float]:
+    """`value`, a frozen-model worker group's `<section>.resources`, if it names only custom resources, each > 0."""
+    for name, amount in value.items():
+        if name in RAY_BUILTIN_RESOURCES:
+            raise ValueError(
+                f"{section}.resources names the built-in resource {name!r}; set CPUs with {section}.cpus and GPUs "
+                f"with {section}.gpus; custom resources are the names given to `ray start --resources`")
+        if not amount > 0:
+            raise ValueError(f"{section}.resources.{name}={amount} must be > 0")
+    return value
+
+
 class CriticConfig(BaseModel):
     """The critic worker group (PPO's value model): the policy's causal LM body plus a scalar head, DeepSpeed
     data-parallel ranks with their own optimizer. Each rank also stamps values on trajectories streaming toward
@@ -112,14 +124,7 @@ class ReferenceConfig(BaseModel):
     @field_validator("resources")
     @classmethod
     def _custom_resources_only(cls, value: dict[str, float]) -> dict[str, float]:
-        for name, amount in value.items():
-            if name in RAY_BUILTIN_RESOURCES:
-                raise ValueError(
-                    f"reference.resources names the built-in resource {name!r}; set CPUs with reference.cpus "
-                    "and GPUs with reference.gpus; custom resources are the names given to `ray start --resources`")
-            if not amount > 0:
-                raise ValueError(f"reference.resources.{name}={amount} must be > 0")
-        return value
+        return check_custom_resources("reference", value)
 
 
 class TeacherConfig(BaseModel):
@@ -158,14 +163,7 @@ class TeacherConfig(BaseModel):
     @field_validator("resources")
     @classmethod
     def _custom_resources_only(cls, value: dict[str, float]) -> dict[str, float]:
-        for name, amount in value.items():
-            if name in RAY_BUILTIN_RESOURCES:
-                raise ValueError(
-                    f"teacher.resources names the built-in resource {name!r}; set CPUs with teacher.cpus and GPUs "
-                    "with teacher.gpus; custom resources are the names given to `ray start --resources`")
-            if not amount > 0:
-                raise ValueError(f"teacher.resources.{name}={amount} must be > 0")
-        return value
+        return check_custom_resources("teacher", value)
 
     @model_validator(mode="after")
     def _path_and_workers(self) -> "TeacherConfig":

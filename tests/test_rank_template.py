@@ -49,7 +49,8 @@ class StandInEngine:
     def get_global_grad_norm(self) -> float:
         return 1.5
 
-    def save_checkpoint(self, folder: str, tag: str, save_latest: bool, client_state: dict) -> None:
+    def save_checkpoint(self, folder: str, tag: str, save_latest: bool, client_state: dict,
+                        exclude_frozen_parameters: bool = False) -> None:
         self.saved[(folder, tag)] = dict(client_state)
 
     def load_checkpoint(self, folder: str, tag: str, **_) -> tuple:
