@@ -102,12 +102,13 @@ def test_async_run_bounds_staleness_and_accounts_for_every_group(ray_cluster, tm
         assert seen == sorted(seen) and len(set(seen)) == len(seen)
 
 
-def test_gsm8k_config_runs_a_few_steps_on_real_rows(ray_cluster, tmp_path):
+def tiny_gsm8k_config(tmp_path: Path, *overrides: str):
+    """The shipped GSM8K config on a tiny text model, one engine, one rank and a few short steps on real rows."""
     from tests.tiny_text_model import build_text_model
 
     model = build_text_model(tmp_path / "model")
     gsm8k = shared_dir() / "data" / "gsm8k"
-    cfg = load_config(REPO / "deploy" / "configs" / "gsm8k_grpo.yaml", [
+    return load_config(REPO / "deploy" / "configs" / "gsm8k_grpo.yaml", [
         f"output_dir={tmp_path / 'run'}", f"model.path={model}", "model.dtype=float32", "cluster.use_gpus=false",
         f"data.train_path={gsm8k / 'train.jsonl'}", f"data.test_path={gsm8k / 'test.jsonl'}",
         "data.num_eval_prompts=4", "data.max_prompt_tokens=400", "rollout.num_workers=1",
@@ -115,7 +116,11 @@ def test_gsm8k_config_runs_a_few_steps_on_real_rows(ray_cluster, tmp_path):
         "rollout.prompts_in_flight=4", "rollout.enforce_eager=true", "reward.num_workers=1",
         "reward.num_processes=1", "learner.num_ranks=1", "learner.zero_stage=2", "learner.prompts_per_step=2",
         "rollout.samples_per_prompt=2", "learner.micro_batch_size=4", "learner.gradient_checkpointing=false",
-        "train.steps=3", "train.eval_every=0", "train.save_every=0"])
+        "train.eval_every=0", "train.save_every=0", *overrides])
+
+
+def test_gsm8k_config_runs_a_few_steps_on_real_rows(ray_cluster, tmp_path):
+    cfg = tiny_gsm8k_config(tmp_path, "train.steps=3")
     trainer = Trainer(cfg)
     try:
         summary = trainer.run()

@@ -12,8 +12,7 @@ import openai
 import pytest
 
 from cluster.trainer import Trainer
-from protocols.config import load_config
-from tests.conftest import REPO, shared_dir
+from tests.test_pipeline import tiny_gsm8k_config
 
 pytestmark = pytest.mark.slow
 
@@ -53,20 +52,8 @@ def agent(run_dir, stop: threading.Event, played: list) -> None:
 
 
 def test_a_run_trains_the_groups_an_openai_sdk_agent_plays(ray_cluster, tmp_path):
-    from tests.tiny_text_model import build_text_model
-
-    model = build_text_model(tmp_path / "model")
-    gsm8k = shared_dir() / "data" / "gsm8k"
-    cfg = load_config(REPO / "deploy" / "configs" / "gsm8k_grpo.yaml", [
-        f"output_dir={tmp_path / 'run'}", f"model.path={model}", "model.dtype=float32", "cluster.use_gpus=false",
-        f"data.train_path={gsm8k / 'train.jsonl'}", f"data.test_path={gsm8k / 'test.jsonl'}",
-        "data.num_eval_prompts=4", "data.max_prompt_tokens=400", "rollout.num_workers=1",
-        "rollout.max_response_tokens=24", "rollout.gpu_memory_utilization=0.1", "rollout.max_num_seqs=16",
-        "rollout.prompts_in_flight=2", "rollout.enforce_eager=true", "reward.num_workers=1",
-        "reward.num_processes=1", "learner.num_ranks=1", "learner.zero_stage=2", "learner.prompts_per_step=2",
-        "rollout.samples_per_prompt=2", "learner.micro_batch_size=4", "learner.gradient_checkpointing=false",
-        "algorithm.preset=grpo", "train.steps=6", "train.max_staleness=4", "train.eval_every=0",
-        "train.save_every=0", "gateway.enabled=true"])
+    cfg = tiny_gsm8k_config(tmp_path, "rollout.prompts_in_flight=2", "algorithm.preset=grpo", "train.steps=6",
+                            "train.max_staleness=4", "gateway.enabled=true")
     trainer = Trainer(cfg)
     trained: list = []
     step = trainer.step
