@@ -1,7 +1,6 @@
 """The `cluster:` section of the run config: where the job's Ray cluster is (embedded or joined), what each role's
 actors reserve on it, and whether it may grow (protocols/config.py assembles the sections)."""
 
-
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from protocols.model_workers import RAY_BUILTIN_RESOURCES
