@@ -38,41 +38,43 @@ class RewardPool(ScoringPool):
         return self.ctx.controller.set_reward_workers.remote(list(self.workers))
 
 
-class ReferencePool(ScoringPool):
+class TokenScoringPool(ScoringPool):
+    """A frozen model whose workers score every response token in the stream (protocols.trajectory
+    .TOKEN_SCORERS): sized by `<name>.num_workers`, and its live list goes to the rollout workers' routers under
+    its name."""
+
+    token_scorer = True
+
+    @classmethod
+    def launch_size(cls, cfg: RunConfig) -> int:
+        return getattr(cfg, cls.name).num_workers
+
+    def announce(self):
+        return self.ctx.controller.set_model_workers.remote(self.name, list(self.workers))
+
+
+class ReferencePool(TokenScoringPool):
     """reference.num_workers > 0: the frozen reference scores groups on their way to the queue (the learner ranks
     then hold no copy of it); 0 keeps it inside the learner. A replacement loads it from the model folder again
     (as at start: it never changes)."""
 
     name = "reference"
     actor = ReferenceWorker
-    token_scorer = True
     counter_metrics = staticmethod(reference_worker_metrics)
     placement_options = staticmethod(reference_options)
-
-    @classmethod
-    def launch_size(cls, cfg: RunConfig) -> int:
-        return cfg.reference.num_workers
 
     def actor_args(self, index: int) -> tuple:
         return self.cfg, index, self.ctx.model_path
 
-    def announce(self):
-        return self.ctx.controller.set_model_workers.remote("reference", list(self.workers))
 
-
-class TeacherPool(ScoringPool):
+class TeacherPool(TokenScoringPool):
     """teacher.num_workers > 0: a frozen teacher scores every sampled token on the way to the queue (on-policy
     distillation, learner/distillation.py). A replacement loads the teacher's folder again."""
 
     name = "teacher"
     actor = TeacherWorker
-    token_scorer = True
     counter_metrics = staticmethod(teacher_worker_metrics)
     placement_options = staticmethod(teacher_options)
-
-    @classmethod
-    def launch_size(cls, cfg: RunConfig) -> int:
-        return cfg.teacher.num_workers
 
     @classmethod
     def precheck(cls, cfg: RunConfig, model_path: str) -> None:
@@ -85,9 +87,6 @@ class TeacherPool(ScoringPool):
 
     def actor_args(self, index: int) -> tuple:
         return self.cfg, index, self.cfg.teacher.path
-
-    def announce(self):
-        return self.ctx.controller.set_model_workers.remote("teacher", list(self.workers))
 
 
 ROLES: tuple[type[WorkerPool], ...] = (CriticPool, RewardPool, ReferencePool, TeacherPool, RolloutPool)

@@ -32,8 +32,7 @@ from cluster.supervisor import Supervisor
 from cluster.worker_pool import PoolContext, WorkerLost
 from learner.objective import finalize_metrics
 from learner.prepare import (
-    check_ref_logprobs,
-    check_teacher_logprobs,
+    check_streamed_scores,
     learner_scores_ref,
     prepare_batch,
     staleness_metrics,
@@ -141,8 +140,7 @@ class Trainer:
         if any(t.min_version < self.version - cfg.train.max_staleness for t in trajectories):
             raise RuntimeError("the queue returned a sample older than train.max_staleness allows")
         batch = TrainingBatch.from_trajectories(trajectories)
-        check_ref_logprobs(batch, cfg, [t.group_id for t in trajectories])
-        check_teacher_logprobs(batch, cfg, [t.group_id for t in trajectories])
+        check_streamed_scores(batch, cfg, [t.group_id for t in trajectories])
         if learner_scores_ref(cfg):  # scored once per step: the KL in the reward and every update read these
             batch = batch.with_fields(ref_logprobs=self.learner.ref_logprobs(batch))
         staleness = staleness_metrics(batch, self.version)  # before the shaping narrows the loss mask

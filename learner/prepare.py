@@ -26,6 +26,7 @@ from learner.objective import (
 )
 from protocols.config import RunConfig
 from protocols.training_batch import TrainingBatch
+from protocols.trajectory import TOKEN_SCORERS
 
 
 @dataclass(frozen=True)
@@ -58,26 +59,17 @@ def learner_scores_ref(cfg: RunConfig) -> bool:
     return (kl_in_reward(cfg.algorithm) or cfg.learner.ppo_epochs > 1 or cfg.learner.mini_batches_per_step > 1)
 
 
-def check_ref_logprobs(batch: TrainingBatch, cfg: RunConfig, group_ids: list[str]) -> None:
-    """Raise naming the groups when reference workers should have stamped `ref_logprobs` and the batch has none:
-    the controller queues a group only once every scoring stage has run, so a missing stamp is a bug, never
-    something to fill in silently. `group_ids`: the batch's samples' groups, in order."""
-    if streams_ref(cfg) and batch.ref_logprobs is None:
-        raise RuntimeError(
-            f"reference.num_workers={cfg.reference.num_workers} but the batch reached the learner without "
-            f"ref_logprobs (groups {sorted(set(group_ids))[:5]}); every group should pass a reference worker on its "
-            "way to the queue")
-
-
-def check_teacher_logprobs(batch: TrainingBatch, cfg: RunConfig, group_ids: list[str]) -> None:
-    """Raise naming the groups when teacher workers run and the batch has no `teacher_logprobs`: the controller
-    queues a group only after every scoring role has stamped it, so a batch without them is a bug, never a batch
-    to train on without its teacher."""
-    if cfg.teacher.enabled and batch.teacher_logprobs is None:
-        raise RuntimeError(
-            f"teacher.num_workers={cfg.teacher.num_workers} but the batch reached the learner without "
-            f"teacher_logprobs (groups {sorted(set(group_ids))[:5]}); every group should pass a teacher worker on "
-            "its way to the queue")
+def check_streamed_scores(batch: TrainingBatch, cfg: RunConfig, group_ids: list[str]) -> None:
+    """Raise naming the groups when the workers of a token-scoring role (reference, teacher: TOKEN_SCORERS) run
+    and the batch lacks their log-probs: the controller queues a group only once every scoring stage has run, so
+    a missing stamp is a bug, never something to fill in or train without. `group_ids`: the batch's samples'
+    groups, in order."""
+    for role, name in TOKEN_SCORERS.items():
+        workers = getattr(cfg, role).num_workers
+        if workers and getattr(batch, name) is None:
+            raise RuntimeError(
+                f"{role}.num_workers={workers} but the batch reached the learner without {name} (groups "
+                f"{sorted(set(group_ids))[:5]}); every group should pass a {role} worker on its way to the queue")
 
 
 def reward_kl(batch: TrainingBatch, cfg: RunConfig) -> Tensor | None:

@@ -8,7 +8,7 @@ import torch
 
 from learner.distillation import distillation_metrics, mix_advantages, reverse_kl_per_token, teacher_advantages
 from learner.policy_losses import ppo_clip_loss
-from learner.prepare import check_teacher_logprobs, prepare_batch
+from learner.prepare import check_streamed_scores, prepare_batch
 from protocols.config import ConfigError, load_config
 from protocols.training_batch import TrainingBatch
 from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup
@@ -103,7 +103,7 @@ def test_weight_zero_measures_the_teacher_and_trains_on_the_reward():
 def test_a_batch_without_teacher_logprobs_is_refused_when_teachers_run():
     cfg = load_config(None, TEACHER)
     with pytest.raises(RuntimeError, match=r"teacher.num_workers=1 but the batch reached the learner without"):
-        check_teacher_logprobs(_batch([1.0, 0.0], None), cfg, ["g7", "g7"])
+        check_streamed_scores(_batch([1.0, 0.0], None), cfg, ["g7", "g7"])
 
 
 def test_distillation_settings_that_cannot_run_are_refused_with_the_fix():

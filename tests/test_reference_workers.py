@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cluster.placement import PlacementError, check_plan, parse_node_spec, plan_placement
-from learner.prepare import check_ref_logprobs, reward_kl
+from learner.prepare import check_streamed_scores, reward_kl
 from protocols.config import ConfigError, load_config
 from protocols.metrics import unknown_names
 from protocols.training_batch import TrainingBatch
@@ -50,13 +50,13 @@ def test_group_takes_ref_logprobs_of_matching_shape_only():
     with pytest.raises(ValueError, match=r"group g0: reference log-probs of shape \[2, 2\]"):
         group.with_ref_logprobs([[-1.0, -2.0], [-3.0, -4.0]])
     streamed = load_config(None, ["algorithm.preset=grpo", "reference.num_workers=1"])
-    check_ref_logprobs(TrainingBatch.from_trajectories(joined.trajectories), streamed, ["g0", "g0"])
+    check_streamed_scores(TrainingBatch.from_trajectories(joined.trajectories), streamed, ["g0", "g0"])
     # the batch of the joined group carries them, padded: row 1 has one token
     torch.testing.assert_close(TrainingBatch.from_trajectories(joined.trajectories).ref_logprobs,
                                torch.tensor([[-1.0, -2.0], [-3.0, 0.0]]))
     with pytest.raises(RuntimeError, match=r"reference.num_workers=1 but the batch reached the learner without "
                                            r"ref_logprobs \(groups \['g0'\]"):
-        check_ref_logprobs(TrainingBatch.from_trajectories(group.trajectories), streamed, ["g0", "g0"])
+        check_streamed_scores(TrainingBatch.from_trajectories(group.trajectories), streamed, ["g0", "g0"])
 
 
 def test_reward_kl_is_k1_on_behavior_logprobs_in_decoupled_mode():
