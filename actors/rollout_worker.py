@@ -285,7 +285,8 @@ class RolloutWorker:
             stats["steps"] += 1
         aborted = decoding.abort()
         if self.gateway is not None:
-            self.gateway.pump(decoding)  # calls the abort ended fail (503): their sessions are not trained
+            # calls the abort ended fail (503): their sessions are not trained; new calls wait for the next run
+            self.gateway.pump(decoding, start_new=False)
             self._take_sessions()
         if self.probing is not None:
             self.probing.finish()  # only the probe is left in the engine: score it, for this report

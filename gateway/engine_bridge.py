@@ -61,8 +61,10 @@ class CallInbox:
     def in_flight(self) -> int:
         return self._new.qsize() + len(self._pending)
 
-    def pump(self, decoding: DecodeLoop) -> None:
-        """From the decode loop's thread: complete the calls that ended (or that an abort dropped), start new ones."""
+    def pump(self, decoding: DecodeLoop, start_new: bool = True) -> None:
+        """From the decode loop's thread: complete the calls that ended (or that an abort dropped), then start the
+        new ones unless `start_new` is False (the loop is about to stop: a call started then would stay in the
+        engine and be stepped by the next offline `generate`, evaluation's, which cannot tell it from its own)."""
         for group in decoding.finished_calls:
             future = self._pending.pop(group.group_id, None)
             if future is not None:
@@ -70,7 +72,7 @@ class CallInbox:
         decoding.finished_calls.clear()
         for call_id in [c for c in self._pending if c not in decoding.calls]:
             self._pending.pop(call_id).set_exception(CallAborted(f"{call_id} was aborted by its engine"))
-        while True:
+        while start_new:
             try:
                 call_id, prompt_ids, max_tokens, future = self._new.get_nowait()
             except queue.Empty:

@@ -56,8 +56,8 @@ class GatewayService:
     def url(self) -> str:
         return self.server.url
 
-    def pump(self, decoding) -> None:
-        self.inbox.pump(decoding)
+    def pump(self, decoding, start_new: bool = True) -> None:
+        self.inbox.pump(decoding, start_new)
 
     def take_groups(self) -> list[TrajectoryGroup]:
         return self.book.take_groups()
