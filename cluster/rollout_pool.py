@@ -240,23 +240,36 @@ class RolloutPool(WorkerPool):
     def _drain(self, count: int, timeout_s: float | None) -> None:
         """The last `count` workers leave: the controller grants them nothing more (their ids are retired), their
         groups in flight finish and come back as usual for up to `timeout_s`; the groups still out then are
-        released (dropped `rollout_worker_drained`, their admission budget freed) and the actors stop. Their
-        counters stay in the controller's worker stats, not in summary.json's reports."""
+        released (dropped `rollout_worker_drained`, their admission budget freed) and the actors stop. A leaving
+        worker that dies meanwhile (its `run()` ends) has its groups released at once, as any dead worker's
+        (dropped `rollout_worker_died`), rather than at the timeout; it is not replaced. Their counters stay in the
+        controller's worker stats, not in summary.json's reports."""
         controller, limit = self.ctx.controller, self.cfg.fault.worker_start_timeout_s
         leaving = []
         for _ in range(count):
-            leaving.append((self.workers.pop(), self.ids.remove()))
-            if self.run_refs is not None:
-                self.run_refs.pop()
-        ids = [worker_id for _, worker_id in leaving]
+            run_ref = self.run_refs.pop() if self.run_refs is not None else None
+            leaving.append((self.workers.pop(), self.ids.remove(), run_ref))
+        ids = [worker_id for _, worker_id, _ in leaving]
         ray.get([controller.retire_worker.remote(i) for i in ids], timeout=limit)
         deadline = time.monotonic() + (limit if timeout_s is None else timeout_s)
-        while (any(ray.get([controller.leases_of.remote(i) for i in ids], timeout=limit))
-               and time.monotonic() < deadline):
-            time.sleep(0.05)
-        released = ray.get([controller.release_worker.remote(i, "rollout_worker_drained") for i in ids],
-                           timeout=limit)
-        for worker, _ in leaving:
+        draining = {worker_id: run_ref for _, worker_id, run_ref in leaving}
+        died = []
+        while draining and time.monotonic() < deadline:
+            # run() returns only at a stop, which a resize never sends: a finished run is a dead worker
+            ended = [i for i, ref in draining.items() if ref is not None and ray.wait([ref], timeout=0)[0]]
+            for worker_id in ended:
+                released = ray.get(controller.release_worker.remote(worker_id, "rollout_worker_died"), timeout=limit)
+                log.warning("rollout worker id %d died while draining; %d groups it held released", worker_id,
+                            len(released))
+                died.append(worker_id)
+                del draining[worker_id]
+            held = ray.get([controller.leases_of.remote(i) for i in draining], timeout=limit)
+            draining = {i: ref for (i, ref), leases in zip(draining.items(), held) if leases}
+            if draining:
+                time.sleep(0.05)
+        released = ray.get([controller.release_worker.remote(i, "rollout_worker_drained") for i in ids
+                            if i not in died], timeout=limit)
+        for worker, _, _ in leaving:
             ray.kill(worker)
         log.warning("rollout workers %s drained; %d groups still in flight released", ids,
                     sum(len(r) for r in released))

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 
 import pytest
 import ray
@@ -107,8 +108,9 @@ def test_gpu_placement_groups_reserve_on_the_pinned_nodes(three_nodes):
 
 
 def test_demo_job_trains_across_nodes(three_nodes, tmp_path):
-    """Also: a fourth raylet joins mid-run, `relayrl scale` grows the rollout pool onto it (the only node with a
-    free `rollout_node`), and shrinks it back before the end."""
+    """Also: a fourth raylet joins mid-run, `relayrl scale` grows the rollout pool to 3 onto it (the only node with
+    free `rollout_node`), and shrinks it back to 1 before the end; one of the two leaving workers is killed as
+    the shrink is asked for, while it holds groups, so it dies during its drain."""
     from cli.main import main as cli_main
 
     cfg = load_config(None, [
@@ -117,21 +119,39 @@ def test_demo_job_trains_across_nodes(three_nodes, tmp_path):
         "data.num_eval_prompts=20", "cluster.learner_resources={learner_node: 1}",
         "cluster.rollout_resources={rollout_node: 1}"])
     trainer = Trainer(cfg)
-    cluster, joined, seen = three_nodes["cluster"], [], {}
+    cluster, joined, seen, killed = three_nodes["cluster"], [], {}, {}
     step = trainer.step
 
+    def kill_a_leaving_worker_holding_groups() -> bool:
+        """Kill rollout slot 1 or 2 (the two the shrink to 1 drains) once it holds leases, waiting up to 3 s."""
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            for slot in (2, 1):
+                worker_id = trainer.supervisor.rollout_ids[slot]
+                held = ray.get(trainer.controller.leases_of.remote(worker_id))
+                if held:
+                    ray.kill(trainer.rollout_workers[slot])
+                    killed.update(id=worker_id, held=held, at=time.monotonic())
+                    return True
+            time.sleep(0.02)
+        return False
+
     def step_then_scale(groups):
-        if trainer.version in (5, 14) and trainer.version not in seen:  # the request made after that step (below)
-            seen[trainer.version] = ([_gcs_node_of(w) for w in trainer.rollout_workers],
-                                     json.loads((tmp_path / "control" / "scale_done.json").read_text()))
+        if trainer.version in seen and "done" not in seen[trainer.version]:  # the request made after that step
+            seen[trainer.version].update(nodes=[_gcs_node_of(w) for w in trainer.rollout_workers],
+                                         done=json.loads((tmp_path / "control" / "scale_done.json").read_text()))
         metrics = step(groups)
         if trainer.version == 5:
-            joined.append(cluster.add_node(num_cpus=2, resources={"rollout_node": 1},
+            joined.append(cluster.add_node(num_cpus=2, resources={"rollout_node": 2},
                                            object_store_memory=OBJECT_STORE_BYTES))
             cluster.wait_for_nodes()
-        if trainer.version in (5, 14):
-            size = {5: 2, 14: 1}[trainer.version]
-            assert cli_main(["scale", str(tmp_path), "--rollout-workers", str(size), "--wait", "0"]) == 0
+            seen[5] = {}
+            assert cli_main(["scale", str(tmp_path), "--rollout-workers", "3", "--wait", "0"]) == 0
+        # the shrink is asked for after a step at which a leaving worker holds groups (at most 3 s looked for
+        # each step from 14): that worker is killed first, so its drain finds it dead with groups out
+        if 14 <= trainer.version <= 17 and not killed and kill_a_leaving_worker_holding_groups():
+            seen[trainer.version] = {}
+            assert cli_main(["scale", str(tmp_path), "--rollout-workers", "1", "--wait", "0"]) == 0
         return metrics
 
     trainer.step = step_then_scale
@@ -148,21 +168,33 @@ def test_demo_job_trains_across_nodes(three_nodes, tmp_path):
         trainer.shutdown()
         for node in joined:  # the module's later tests plan on the three nodes
             cluster.remove_node(node)
-    # the pool grew onto the node that joined mid-run: slot 1 there, under the new id 1; then it drained out
+    # the pool grew onto the node that joined mid-run: slots 1 and 2 there, under the new ids 1 and 2; then both
+    # left (one drained, one killed while draining)
     [new_node] = joined
-    (grown, grow_done), (shrunk, shrink_done) = seen[5], seen[14]
-    assert grown == [three_nodes["rollout"], new_node.node_id] and shrunk == [three_nodes["rollout"]]
-    assert (grow_done["rollout"], shrink_done["rollout"]) == (2, 1) and "error" not in grow_done
-    # the new worker loaded the weights and passed the sync check on what it loaded: its probe results reached the
-    # driver's WeightCheck (a gap over the tolerance stops the run), from a version after it joined
-    probes = worker_stats[1]["weight_probes"]
-    assert probes and min(p["version"] for p in probes) >= 5, probes
+    assert killed, "no leaving rollout worker held groups after steps 14 to 17: nothing was killed"
+    (grow_step, grown), (shrink_step, shrunk) = sorted(seen.items())
+    assert grow_step == 5 and grown["nodes"] == [three_nodes["rollout"], new_node.node_id, new_node.node_id]
+    assert shrunk["nodes"] == [three_nodes["rollout"]]
+    grow_done, shrink_done = grown["done"], shrunk["done"]
+    assert (grow_done["rollout"], shrink_done["rollout"]) == (3, 1) and "error" not in grow_done
+    assert "error" not in shrink_done
+    # the new workers loaded the weights and passed the sync check on what they loaded: their probe results reached
+    # the driver's WeightCheck (a gap over the tolerance stops the run), from a version after they joined
+    for worker_id in (1, 2):
+        probes = worker_stats[worker_id]["weight_probes"]
+        assert probes and min(p["version"] for p in probes) >= 5, (worker_id, probes)
     q = summary["queue"]
     dropped = sum(v for k, v in q.items() if k.startswith("queue/dropped_"))
     assert q["queue/admitted"] == q["queue/trained"] + dropped + q["queue/depth"], q
     assert len(summary["trained_group_ids"]) == len(set(summary["trained_group_ids"])) == q["queue/trained"]
-    print(f"\nmulti-node: a node joined after step 5; grow 1 -> 2 onto it {grow_done['seconds']:.1f} s, "
-          f"drain 2 -> 1 {shrink_done['seconds']:.1f} s")
+    # the killed worker's groups were released as a dead worker's when its drain found it dead (not at the 120 s
+    # drain timeout, and not replaced): at most the groups it held when killed (one may have come back just before)
+    assert 1 <= q["queue/dropped_rollout_worker_died"] <= len(killed["held"]), (q, killed)
+    assert shrink_done["seconds"] < cfg.rollout.drain_timeout_s and summary["replaced_workers"]["rollout"] == 0
+    print(f"\nmulti-node: a node joined after step 5; grow 1 -> 3 onto it {grow_done['seconds']:.1f} s; after step "
+          f"{shrink_step} worker id {killed['id']} killed holding {len(killed['held'])} groups, drain 3 -> 1 "
+          f"{shrink_done['seconds']:.1f} s ({q['queue/dropped_rollout_worker_died']} released as died, "
+          f"{q.get('queue/dropped_rollout_worker_drained', 0)} as drained)")
     # pinned by the custom resources: learner on its node, rollout worker on the other
     assert learner_node == three_nodes["learner"] and rollout_node == three_nodes["rollout"]
     assert version == 20
