@@ -109,10 +109,10 @@ def test_run_folder_writes_through_the_module(tmp_path):
 
 @pytest.mark.slow
 def test_short_run_logs_reward_worker_counters_eval_sets_and_tool_metrics(ray_cluster, tmp_path):
-    """4 DAPO steps on the demo with the calculator offered and the rollout autoscaler on, evaluation of the `demo`
-    set at step 2 and after training with 2 samples. The untrained demo model cannot write a call's tags, so every sample is one turn with
-    no call; the tools/* metrics are there all the same (one run for all: a Trainer's start costs more than its
-    steps)."""
+    """4 DAPO steps on the demo with the calculator offered and the rollout autoscaler on (1 to 2 workers), evaluation
+    of the `demo` set at step 2 and after training with 2 samples. The untrained demo model cannot write a call's
+    tags, so every sample is one turn with no call; the tools/* metrics are there all the same (one run for all: a
+    Trainer's start costs more than its steps)."""
     from cluster.trainer import Trainer
     from protocols.config import load_config
 
@@ -121,20 +121,39 @@ def test_short_run_logs_reward_worker_counters_eval_sets_and_tool_metrics(ray_cl
         "train.steps=4", "train.eval_every=2", "train.eval_sets=[demo]",
         "train.eval_samples=2", "learner.prompts_per_step=4", "rollout.samples_per_prompt=4",
         "data.num_eval_prompts=16", "train.max_staleness=0", "reward.num_workers=2", "tools.builtin=[calculator]",
-        # the autoscaler decides every step; capped at the one worker it has, so it never resizes here (resizing
-        # itself: tests/test_reference_workers.py)
-        "rollout.autoscale.enabled=true", "rollout.autoscale.max_workers=1"])
+        # the autoscaler decides every step: at max_staleness 0 the learner waits for each batch's generation, so
+        # with patience 1 it grows the pool to its limit of 2 (and no further), after which the cooldown holds it
+        "rollout.autoscale.enabled=true", "rollout.autoscale.max_workers=2", "rollout.autoscale.patience_steps=1",
+        "rollout.autoscale.cooldown_steps=1"])
     trainer = Trainer(cfg)
+    scale, resizes = trainer.scale, []
+
+    def timed_scale(n: int) -> float:  # the autoscaler's resizes: (size, seconds)
+        resizes.append((n, scale(n)))
+        return resizes[-1][1]
+
+    trainer.scale = timed_scale
     try:
         summary = trainer.run()
+        pool_size = len(trainer.rollout_workers)
+        worker_stats = ray_cluster.get(trainer.controller.get_worker_stats.remote())
     finally:
         trainer.shutdown()
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 4
     for row in rows:  # autoscale/*: one decision per step, logged with its reason
-        assert row["autoscale/size"] == row["rollout/num_workers"] == 1.0 and row["autoscale/change"] == 0.0
+        assert row["autoscale/size"] == row["rollout/num_workers"] <= 2.0
         assert 0 <= row["autoscale/wait_frac"] <= 1
         assert sum(v for k, v in row.items() if k.startswith("autoscale/reason_")) == 1.0
+    # the one grow: a step whose learner waited over grow_wait_frac=0.1 of it, 1 -> 2 workers, never past max_workers
+    [grow] = [r for r in rows if r["autoscale/change"] != 0.0]
+    assert grow["autoscale/change"] == 1.0 and grow.get("autoscale/reason_grow_waiting") == 1.0
+    assert grow["autoscale/wait_frac"] > 0.1 and grow["autoscale/size"] == 2.0 and "autoscale/failed" not in grow
+    assert [n for n, _ in resizes] == [2] and pool_size == 2
+    # the new worker (controller id 1) generated: its groups reached the controller
+    assert worker_stats[1]["groups"] > 0, worker_stats
+    print(f"\nautoscaler: grew 1 -> 2 after step {grow['step']:.0f} (learner waited "
+          f"{grow['autoscale/wait_frac']:.0%} of it) in {resizes[0][1]:.1f} s")
     assert not (tmp_path / "plots").exists()  # logging.plots=false (tests/test_plots.py draws the tool figures)
     # tools/*: each logged step and their totals in the summary
     for row in rows:
