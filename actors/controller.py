@@ -71,6 +71,9 @@ class RolloutController(LeaseBook, ScoringLists):
         self.published: list[WeightAnnouncement] = []
         """Every version published, without its refs (an old version's objects are not kept alive)."""
         self.worker_stats: dict[int, dict] = {}
+        self.first_scored_at: dict[int, float] = {}
+        """Worker id -> wall time (time.time(), comparable with a scale request's `requested_at`) its first scored
+        group arrived: when a worker that joined a running job delivered its first samples."""
         self.clock = clock
         self.calls: Counter[str] = Counter()
         self.rescored = 0
@@ -207,8 +210,11 @@ class RolloutController(LeaseBook, ScoringLists):
 
     # --- scored and dropped groups ------------------------------------------------------------------------
     def _put(self, group: TrajectoryGroup) -> bool:
+        holder = self.leases.get(group.group_id)
         if not self._end_lease(group.group_id):
             return False
+        if holder is not None:
+            self.first_scored_at.setdefault(holder[0], time.time())
         if group.group_id.startswith(SESSION_GROUP_PREFIX):
             # a session endpoint's group (gateway/) is admitted when it arrives: its client, not the prompt
             # cursor, started it; so admitted = trained + dropped + queued holds for it too
@@ -286,6 +292,10 @@ class RolloutController(LeaseBook, ScoringLists):
 
     def get_worker_stats(self) -> dict[int, dict]:
         return dict(self.worker_stats)
+
+    def get_first_scored_at(self) -> dict[int, float]:
+        """`first_scored_at`: worker id -> wall time of its first scored group."""
+        return dict(self.first_scored_at)
 
     def state_dict(self) -> dict:
         return {

@@ -135,6 +135,21 @@ def test_leases_record_the_holder_and_a_lost_workers_leases_free_the_window():
     assert s["queue/admitted"] == s["queue/received"] + s["queue/leased"] == 4
 
 
+def test_each_workers_first_scored_group_is_timed_once():
+    # the elastic benchmark's "first sample of a new worker": wall time, beside a scale request's requested_at
+    c = controller()  # budget (0 + 1 + 1) * 2 = 4
+    c.sync(SyncRequest(worker_id=0, version=0, want=1))  # g0
+    c.sync(SyncRequest(worker_id=1, version=0, want=2))  # g1, g2
+    before = time.time()
+    c.sync(SyncRequest(worker_id=1, version=0, scored=[("g1", make_group("g1", [1, 0], 0))]))
+    first = c.get_first_scored_at()
+    assert set(first) == {1} and before <= first[1] <= time.time()
+    # a later group of worker 1 keeps its first time; a dropped group of worker 0 is no sample
+    c.sync(SyncRequest(worker_id=1, version=0, scored=[("g2", make_group("g2", [1, 0], 0))]))
+    c.sync(SyncRequest(worker_id=0, version=0, dropped={"aborted_at_stop": ["g0"]}))
+    assert c.get_first_scored_at() == first
+
+
 def test_leased_groups_round_trip_through_the_state_dict_as_groups_to_reissue():
     c = controller(clock=lambda: 5.0)
     c.sync(SyncRequest(worker_id=3, version=0, want=2))
