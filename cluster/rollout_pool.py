@@ -7,7 +7,8 @@ in the same placement bundle under a new controller id (cluster/worker_pool.py `
 weights and takes work. With a transport that forms a group (weight_sync.type=collective) every engine and learner
 rank 0 open a new group instead, and a broadcast that a dead engine broke is sent again on it. `resize` adds
 engines the same way and drains leaving ones: they are granted nothing more, their groups in flight come back
-(within fault.worker_start_timeout_s; what is left is released as dropped `rollout_worker_drained`), then they stop.
+(within rollout.drain_timeout_s, which the driver passes; what is left is released as dropped
+`rollout_worker_drained`), then they stop.
 """
 
 import logging
@@ -205,9 +206,10 @@ class RolloutPool(WorkerPool):
     def resize(self, n: int, drain_timeout_s: float | None = None) -> None:
         """Grow to `n` engines (new controller ids; each loads the newest weights and, while generation runs,
         starts its run, as a replacement does) or shrink by draining the last ones (see `_drain`, which waits at
-        most `drain_timeout_s`, default fault.worker_start_timeout_s). The controller's worker count follows (the
-        fair share at max_staleness 0). Called by the driver between steps. New engines that do not start (an
-        engine error, no room on the cluster within fault.worker_start_timeout_s) are killed, counted in
+        most `drain_timeout_s`: the driver passes rollout.drain_timeout_s; fault.worker_start_timeout_s if None).
+        The controller's worker count follows (the fair share at max_staleness 0). Called by the driver between
+        steps. New engines that do not start (an engine error, no room on the cluster within
+        fault.worker_start_timeout_s) are killed, counted in
         `start_failures` and left out: their controller ids are retired and the pool, the controller's count and
         the log say the size it really has; WorkerLost then names them (the run goes on)."""
         n = check_size("rollout", n)
