@@ -15,19 +15,8 @@ from protocols.config import RunConfig
 from protocols.trajectory import TrajectoryGroup
 
 
-def check_supported(cfg: RunConfig) -> None:
-    """Refuse what the endpoint does not serve yet, naming the setting."""
-    if cfg.reference.num_workers or cfg.critic.num_workers or cfg.teacher.num_workers:
-        raise ValueError(
-            f"gateway.enabled with reference.num_workers={cfg.reference.num_workers}, teacher.num_workers="
-            f"{cfg.teacher.num_workers} or critic.num_workers={cfg.critic.num_workers}: session groups skip the "
-            "scoring workers (the client gave the reward), so no reference, teacher or critic worker sees them; set "
-            "them to 0 (the learner scores the reference itself)")
-
-
 class GatewayService:
     def __init__(self, cfg: RunConfig, tokenizer: Any, worker_id: int, make_params: Callable[[int], Any]) -> None:
-        check_supported(cfg)
         g = cfg.gateway
         folder = Path(cfg.output_dir) / "gateway"
         folder.mkdir(parents=True, exist_ok=True)

@@ -356,6 +356,20 @@ class RunConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _check_gateway(self) -> "RunConfig":
+        """Session groups skip the scoring workers (the client gave the reward): refuse the roles that would never
+        see them before any actor starts, not in each rollout worker."""
+        scoring = {"reference": self.reference.num_workers, "teacher": self.teacher.num_workers,
+                   "critic": self.critic.num_workers}
+        if self.gateway.enabled and any(scoring.values()):
+            given = ", ".join(f"{role}.num_workers={n}" for role, n in scoring.items() if n)
+            raise ValueError(
+                f"gateway.enabled=true with {given}: the endpoint's session groups go to the queue without passing "
+                "the scoring workers, so no reference, teacher or critic worker would score them. Set them to 0 (the "
+                "learner then scores the reference itself), or gateway.enabled=false")
+        return self
+
+    @model_validator(mode="after")
     def _check_lora(self) -> "RunConfig":
         """What LoRA (model.lora.rank > 0) does not run correctly, refused before any actor starts."""
         lora = self.model.lora

@@ -56,3 +56,9 @@ def test_batch_must_split_over_ranks():
 def test_algorithm_preset_from_the_command_line():
     cfg = load_config(None, ["algorithm.preset=dapo"])
     assert cfg.algorithm.preset == "dapo"
+
+
+def test_the_session_endpoint_beside_scoring_workers_is_refused_naming_them():
+    with pytest.raises(ConfigError, match=r"gateway.enabled=true with reference.num_workers=1: .*Set them to 0"):
+        load_config(None, ["gateway.enabled=true", "algorithm.preset=grpo", "reference.num_workers=1"])
+    load_config(None, ["gateway.enabled=true", "algorithm.preset=grpo"])  # the learner scores the reference
