@@ -38,7 +38,7 @@ from learner.prepare import (
     staleness_metrics,
 )
 from protocols.config import RunConfig, dump_config
-from protocols.metrics import length_metrics, rollout_metrics
+from protocols.metrics import gateway_metrics, length_metrics, rollout_metrics
 from protocols.training_batch import TrainingBatch
 from protocols.trajectory import TrajectoryGroup
 from rewards.datasets import load_prompts
@@ -430,7 +430,8 @@ class Trainer:
         return self.weight_check.metrics()
 
     def _rollout_metrics(self) -> dict[str, float]:
-        return rollout_metrics(ray.get(self.controller.get_worker_stats.remote()).values())
+        reports = list(ray.get(self.controller.get_worker_stats.remote()).values())
+        return {**rollout_metrics(reports), **gateway_metrics(reports)}
 
     def _sync_idle_workers(self) -> None:
         """After the loop, bring every worker to the last published weights (for evaluation)."""

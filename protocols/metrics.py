@@ -47,6 +47,10 @@ SECTIONS: dict[str, str] = {
                   "wait_frac (the share of the step the learner waited) and reason_<why> = 1 for its reason",
     "rollout/": "idle_frac, tokens_per_s, sync_s_total over the rollout workers; num_workers (the pool's size, "
                 "which `relayrl scale` changes while the job runs)",
+    "gateway/": "the session endpoint's counters (gateway.enabled), summed over the rollout workers since the run "
+                "started: sessions, sessions_rewarded, sessions_no_reward, sessions_lost, calls, calls_refused, "
+                "calls_lost, tool_parse_failures, retries, samples, groups, splits_<reason>, ...; calls_per_session, "
+                "samples_per_rewarded_session",
     "time/": "seconds per phase of the step: wait_s, learner_s, publish_s, step_s, verify_s (the weight-sync "
              "check: the learner's probe forward and the comparison)",
     "learner/": "the learner's own readings: tokens_per_s, real/processed tokens, effective_token_frac, "
@@ -162,6 +166,22 @@ def rollout_metrics(reports: Iterable[Mapping[str, float]]) -> dict[str, float]:
         "rollout/tokens_per_s": total["tokens"] / max(total["generate_s"], 1e-9),
         "rollout/sync_s_total": total["sync_s"],
     }
+
+
+def gateway_metrics(reports: Iterable[Mapping]) -> dict[str, float]:
+    """`gateway/*` from the rollout workers' reports that carry a session endpoint's counters (`gateway`, see
+    gateway/sessions.py COUNTER_NAMES): each counter summed over the workers, since the run started, plus
+    `gateway/calls_per_session` (calls served per session opened) and `gateway/samples_per_rewarded_session`
+    (training samples per session with a reward: above 1 where episodes split). {} without an endpoint."""
+    counters = [r["gateway"] for r in reports if isinstance(r.get("gateway"), Mapping)]
+    if not counters:
+        return {}
+    total = {name: float(sum(c.get(name, 0) for c in counters)) for name in counters[0]}
+    out = {f"gateway/{name}": value for name, value in total.items()}
+    out["gateway/calls_per_session"] = total.get("calls", 0.0) / max(total.get("sessions", 0.0), 1.0)
+    out["gateway/samples_per_rewarded_session"] = (total.get("samples", 0.0)
+                                                   / max(total.get("sessions_rewarded", 0.0), 1.0))
+    return out
 
 
 # ----- held-out evaluation ------------------------------------------------------------------------------------

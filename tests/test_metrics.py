@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from protocols.metrics import (SECTIONS, combine_metrics, eval_metrics, log_record, reference_worker_metrics,
-                              reward_worker_metrics,
-                               rollout_metrics, scalars, unknown_names)
+from protocols.metrics import (SECTIONS, combine_metrics, eval_metrics, gateway_metrics, log_record,
+                               reference_worker_metrics, reward_worker_metrics, rollout_metrics, scalars,
+                               unknown_names)
 
 
 def test_merge_adds_sums_and_takes_the_max_of_max_keys():
@@ -59,6 +59,21 @@ def test_rollout_metrics_sum_over_workers():
     assert rollout_metrics(reports) == {"rollout/idle_frac": 0.2, "rollout/tokens_per_s": 100.0,
                                         "rollout/sync_s_total": 0.75}
     assert rollout_metrics([]) == {}
+
+
+def test_gateway_metrics_sum_the_endpoints_counters_over_workers():
+    # calls (5 + 3) / sessions (2 + 2) = 2 per session; samples (3 + 1) / rewarded (2 + 1) = 4/3 per rewarded one
+    reports = [{"tokens": 10, "gateway": {"sessions": 2, "sessions_rewarded": 2, "calls": 5, "samples": 3,
+                                          "splits_history_edited": 1}},
+               {"tokens": 20, "gateway": {"sessions": 2, "sessions_rewarded": 1, "calls": 3, "samples": 1,
+                                          "splits_history_edited": 0}},
+               {"tokens": 30}]  # a worker without an endpoint (none in one run; the sum must not need it)
+    out = gateway_metrics(reports)
+    assert out["gateway/calls"] == 8.0 and out["gateway/splits_history_edited"] == 1.0
+    assert out["gateway/calls_per_session"] == 2.0
+    assert out["gateway/samples_per_rewarded_session"] == pytest.approx(4 / 3)
+    assert unknown_names(out) == []
+    assert gateway_metrics([{"tokens": 1}]) == {}
 
 
 def test_reference_worker_metrics_by_hand():

@@ -87,3 +87,5 @@ def test_a_run_trains_the_groups_an_openai_sdk_agent_plays(ray_cluster, tmp_path
     assert report["groups"] >= len(sessions) and report["sessions_rewarded"] >= 2 * len(sessions)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 6
+    # the endpoint's counters reach each step's log (protocols/metrics.py gateway_metrics)
+    assert any(r.get("gateway/calls", 0) > 0 and r["gateway/calls_per_session"] > 0 for r in rows), rows[-1]
