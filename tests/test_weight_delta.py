@@ -229,6 +229,24 @@ def test_object_store_puts_a_new_keyframe_when_the_deltas_outgrow_it(monkeypatch
     assert early.read_bytes - before >= keyframe[-1]
 
 
+def test_object_store_sends_a_version_whose_every_element_moved_as_one_keyframe(monkeypatch):
+    """Every element changed (an adapter under AdamW): the delta would be as large as the version, so the version
+    goes whole as the new keyframe, once, not as a delta plus a keyframe (twice the bytes)."""
+    sender, new_receiver = _object_store(monkeypatch)
+    weights = _model(0, torch.float32, tied=False)  # an adapter ties nothing
+    current = new_receiver()
+    first = sender.publish(iter(weights), 1)
+    _loaded(current, first)
+    for v in range(2, 5):
+        weights = _step(weights, 1.0, seed=v)
+        published = sender.publish(iter(weights), v)
+        [keyframe] = published.refs
+        assert keyframe[2] == v and published.num_bytes == first.num_bytes == keyframe[-1]
+        before = current.read_bytes
+        assert _same_bits(_loaded(current, published), weights)
+        assert current.read_bytes - before == first.num_bytes
+
+
 def test_a_failed_delta_send_makes_the_next_publish_full(monkeypatch):
     sender, new_receiver = _object_store(monkeypatch)
     weights = _model(0, torch.bfloat16)

@@ -161,6 +161,15 @@ class ObjectStoreSender(WeightSender):
     def send_delta(self, payload: torch.Tensor, version: int, base: int) -> WeightAnnouncement:
         import ray
 
+        if payload.numel() >= self.keyframe[-1]:
+            # The changes are as large as the whole version (every element moved: a LoRA adapter under AdamW, fp32
+            # weights under Adam): put the version whole as the new keyframe, not a delta beside a new keyframe
+            # (twice the bytes). A worker at `base` reads the keyframe, as many bytes as the delta would be.
+            packed = host_arrays(iter(self.previous.items()), None)
+            self.keyframe = ("full", self.lineage, version, -1, ray.put(packed), packed_num_bytes(packed))
+            self.deltas = []
+            return WeightAnnouncement(version=version, refs=self._chain(), num_tensors=len(self.previous.tensors),
+                                      num_bytes=self.keyframe[-1])
         self.deltas.append(("delta", self.lineage, version, base, ray.put(payload.numpy()), payload.numel()))
         num_bytes = payload.numel()
         if sum(d[-1] for d in self.deltas) >= self.keyframe[-1]:
