@@ -5,27 +5,45 @@ A rollout worker's `run()` only returns when the run stops, so a run ref that fi
 leases are released through the controller (counted as dropped `rollout_worker_died`), and a replacement starts
 in the same placement bundle under a new controller id (cluster/worker_pool.py `WorkerIds`), loads the newest
 weights and takes work. With a transport that forms a group (weight_sync.type=collective) every engine and learner
-rank 0 open a new group instead, and a broadcast that a dead engine broke is sent again on it. `resize` adds
-engines the same way and drains leaving ones: they are granted nothing more, their groups in flight come back
+rank 0 open a new group instead, and a broadcast that a dead engine broke is sent again on it. A grow starts new
+engines (`begin_grow`) and adds them the same way once they serve (`finish_grow`, which the driver calls between
+steps, so training goes on while they start); a shrink drains the leaving ones: they are granted nothing more, their groups in flight come back
 (within rollout.drain_timeout_s, which the driver passes; what is left is released as dropped
 `rollout_worker_drained`), then they stop.
 """
 
 import logging
 import time
+from dataclasses import dataclass
 
 import ray
 
 from actors.rollout_worker import RolloutWorker
 from cluster.ray_setup import rollout_options
 from cluster.scale_requests import check_size
-from cluster.worker_pool import WorkerIds, WorkerLost, WorkerPool, drop_slots, resize_plan
+from cluster.worker_pool import WorkerIds, WorkerLost, WorkerPool, resize_plan
 from protocols.config import RunConfig
 from protocols.weight_announcement import WeightAnnouncement
 from weights.backends import weight_backend
 from weights.transport import BroadcastFailed
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Joining:
+    """Engines starting for a grow (`RolloutPool.begin_grow`), not in the pool yet: generation and training go on
+    while they start."""
+
+    target: int
+    workers: list
+    ids: list[int]
+    """Their controller ids, reserved (WorkerIds.reserve)."""
+    probes: list
+    """Each one's first call (`get_version`): it answers once the engine serves."""
+    started: float
+    deadline: float
+    """time.monotonic() past which those not serving count as failed (fault.worker_start_timeout_s)."""
 
 
 class RolloutPool(WorkerPool):
@@ -52,6 +70,8 @@ class RolloutPool(WorkerPool):
         """The version whose broadcast broke, while its dead engine is replaced (the new group receives it)."""
         self._resent: WeightAnnouncement | None = None
         """The announcement of the last send on a rejoined group: a broken publish returns it."""
+        self.joining: Joining | None = None
+        """A grow under way (begin_grow), until finish_grow adds its engines."""
 
     def build(self, index: int, worker_id: int):
         """A rollout worker in slot `index`'s bundle under controller id `worker_id`, given the live lists of every
@@ -62,6 +82,13 @@ class RolloutPool(WorkerPool):
 
     def start(self) -> None:
         self.workers.extend(self.build(i, self.ids.ids[i]) for i in range(self.size))
+
+    def shutdown(self) -> None:
+        if self.joining is not None:  # engines still starting for a grow
+            for worker in self.joining.workers:
+                ray.kill(worker)
+            self.joining = None
+        super().shutdown()
 
     # --- runs -------------------------------------------------------------------------------------------------------
     def start_runs(self) -> None:
@@ -204,40 +231,90 @@ class RolloutPool(WorkerPool):
 
     # --- resize -----------------------------------------------------------------------------------------------------
     def resize(self, n: int, drain_timeout_s: float | None = None) -> None:
-        """Grow to `n` engines (new controller ids; each loads the newest weights and, while generation runs,
-        starts its run, as a replacement does) or shrink by draining the last ones (see `_drain`, which waits at
-        most `drain_timeout_s`: the driver passes rollout.drain_timeout_s; fault.worker_start_timeout_s if None).
-        The controller's worker count follows (the fair share at max_staleness 0). Called by the driver between
-        steps. New engines that do not start (an engine error, no room on the cluster within
-        fault.worker_start_timeout_s) are killed, counted in
-        `start_failures` and left out: their controller ids are retired and the pool, the controller's count and
-        the log say the size it really has; WorkerLost then names them (the run goes on)."""
+        """Grow to `n` engines and wait for them (begin_grow, then finish_grow), or shrink by draining the last
+        ones (see `_drain`, which waits at most `drain_timeout_s`: the driver passes rollout.drain_timeout_s;
+        fault.worker_start_timeout_s if None). A grow under way is finished first. Raises WorkerLost, as
+        finish_grow does, when new engines did not start (the run goes on)."""
+        n = check_size("rollout", n)
+        if self.joining is not None:
+            self.finish_grow(wait=True)
+        first = len(self.workers)
+        if n > first:
+            self.begin_grow(n)
+            self.finish_grow(wait=True)
+        elif n < first:
+            self._drain(first - n, drain_timeout_s)
+            self._tell_controller(self.ctx.controller.set_num_workers.remote(n))
+            log.warning("rollout pool shrank from %d to %d workers (ids %s)", first, n, self.ids.ids)
+
+    def begin_grow(self, n: int) -> None:
+        """Start the engines that grow the pool to `n` (new controller ids; the placement's bundles while there
+        are any left, then plain resources on any node with room) and return at once: the driver goes on
+        stepping, and `finish_grow` adds them once they serve."""
         n = check_size("rollout", n)
         first = len(self.workers)
+        if self.joining is not None or n <= first:
+            raise ValueError(f"begin_grow({n}) with {first} rollout workers"
+                             + (f" and a grow to {self.joining.target} under way" if self.joining else "")
+                             + ": a grow starts from a settled pool, to more workers than it has")
         plan = resize_plan(first, n, self.bundles)
-        for slot in plan.start:
-            self.workers.append(self.build(slot, self.ids.add()))
+        ids = [self.ids.reserve(slot) for slot in plan.start]
+        workers = [self.build(slot, worker_id) for slot, worker_id in zip(plan.start, ids)]
+        now = time.monotonic()
+        self.joining = Joining(n, workers, ids, [getattr(w, self.probe).remote() for w in workers], now,
+                               now + self.cfg.fault.worker_start_timeout_s)
+        log.warning("rollout pool growing from %d to %d workers (ids %s; slots %s with plain resources, past the "
+                    "placement's bundles): engines starting", first, n, ids,
+                    sorted(set(plan.start) - set(plan.in_bundles)) or "none")
+
+    def finish_grow(self, wait: bool = False) -> float | None:
+        """Add the engines of the grow under way once each serves or failed: they load the newest weights (with
+        a group-forming transport every engine rejoins the weight group) and, while generation runs, start their
+        runs; the controller's worker count follows. Returns the grow's seconds, or None while some still start
+        (`wait`: block until they serve or fault.worker_start_timeout_s passes) or when no grow is under way.
+        Engines that did not start (an engine error, no room on the cluster in time) are killed, counted in
+        `start_failures` and their ids retired; WorkerLost then names them, the pool keeping those that did."""
+        joining = self.joining
+        if joining is None:
+            return None
+        timeout = max(0.0, joining.deadline - time.monotonic()) if wait else 0
+        _, pending = ray.wait(joining.probes, num_returns=len(joining.probes), timeout=timeout)
+        if pending and time.monotonic() < joining.deadline:
+            return None
+        self.joining = None
+        limit = self.cfg.fault.worker_start_timeout_s
+        failed: dict[int, str] = {}
+        for k, ref in enumerate(joining.probes):
+            if ref in pending:
+                failed[k] = (f"not serving within fault.worker_start_timeout_s={limit} s: the cluster had no room "
+                             "for it (see `ray status`), or its engine start takes longer (raise the timeout)")
+                continue
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as err:
+                failed[k] = f"its start failed: {type(err).__name__}: {str(err).strip().splitlines()[-1][:300]}"
+        first = len(self.workers)
+        for k, (worker, worker_id) in enumerate(zip(joining.workers, joining.ids)):
+            if k in failed:
+                ray.kill(worker)
+                log.warning("new rollout worker id %d did not start: %s", worker_id, failed[k])
+                self._tell_controller(self.ctx.controller.retire_worker.remote(worker_id))
+                continue
+            self.workers.append(worker)
+            self.ids.ids.append(worker_id)
             if self.run_refs is not None:
                 self.run_refs.append(None)
-        failed = {}
-        if plan.start:
-            failed = self._start_new(plan.start)  # drops the failed ones from `workers`
-            for slot in sorted(failed, reverse=True):
-                self._tell_controller(self.ctx.controller.retire_worker.remote(self.ids.discard(slot)))
-            if self.run_refs is not None:
-                drop_slots(self.run_refs, failed)
-            started = list(range(first, len(self.workers)))
-            if started:
-                self._tell_controller(self.ctx.controller.set_num_workers.remote(len(self.workers)))
-                self._take_weights(started)
-        if plan.leave:
-            self._drain(len(plan.leave), drain_timeout_s)
-            self._tell_controller(self.ctx.controller.set_num_workers.remote(n))
-        log.warning("rollout pool resized from %d to %d workers (ids %s; %s with plain resources, past the "
-                    "placement's bundles)", first, len(self.workers), self.ids.ids,
-                    sorted(set(plan.start) - set(plan.in_bundles)) or "none")
+        self.start_failures += len(failed)
+        started = list(range(first, len(self.workers)))
+        if started:
+            self._tell_controller(self.ctx.controller.set_num_workers.remote(len(self.workers)))
+            self._take_weights(started)
+        seconds = time.monotonic() - joining.started
+        log.warning("rollout pool grew from %d to %d workers in %.1f s (ids %s)", first, len(self.workers), seconds,
+                    self.ids.ids)
         if failed:
-            raise WorkerLost(self._start_report("rollout", len(plan.start), failed, len(self.workers)))
+            raise WorkerLost(self._start_report("rollout", len(joining.workers), failed, len(self.workers)))
+        return seconds
 
     def _drain(self, count: int, timeout_s: float | None) -> None:
         """The last `count` workers leave: the controller grants them nothing more (their ids are retired), their

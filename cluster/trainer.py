@@ -119,6 +119,8 @@ class Trainer:
         self.supervisor = Supervisor(cfg, self.controller, self.pools)
         self.autoscaler = Autoscaler(cfg.rollout.autoscale) if cfg.rollout.autoscale.enabled else None
         self.requested_resources = False
+        self.pending_scale: tuple[dict, float, int] | None = None
+        """A `relayrl scale` grow whose engines are starting: (request, start time, version when asked)."""
         """A resize asked Ray's autoscaler for resources (cluster.autoscaling); withdrawn at shutdown."""
         self.version = 0
         self.trained_group_ids: list[str] = []
@@ -237,6 +239,8 @@ class Trainer:
                 folder.log(self.version, metrics)
             self._apply_scale_request(inbox)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", acc=f"{metrics['reward/accuracy']:.2f}")
+        if self.pending_scale is not None:  # a grow whose engines still start: add them, for the last evaluation
+            self._apply_scale_request(inbox, wait=True)
         self.supervisor.stop_runs()
         worker_reports = self.supervisor.reports()
         self.supervisor.ensure_alive()
@@ -343,14 +347,45 @@ class Trainer:
         return {**out, "autoscale/size": float(len(self.rollout_workers)),
                 "autoscale/change": float(len(self.rollout_workers) - size)}
 
-    def _apply_scale_request(self, inbox: ScaleInbox) -> None:
-        """Apply the newest `relayrl scale` request, if any, and write back the result (or why it was refused):
-        a request that cannot be met is reported, and the run goes on with the workers it has."""
+    def _apply_scale_request(self, inbox: ScaleInbox, wait: bool = False) -> None:
+        """Between two steps: the newest `relayrl scale` request, if any, and write back the result (or why it
+        was refused); a request that cannot be met is reported, and the run goes on with the workers it has. A
+        grow only starts its engines here: training goes on while they start, and a later call adds them once
+        they serve (`wait`: now; the run's end) and writes the record, with the steps trained meanwhile. A
+        request made during a grow waits in the inbox until it ends. A shrink drains at once."""
+        pool = self.pools["rollout"]
+        if self.pending_scale is not None:
+            request, start, version = self.pending_scale
+            try:
+                # None while engines start; a resize from Python or the autoscaler may have finished the grow
+                if pool.finish_grow(wait=wait) is None and pool.joining is not None:
+                    return
+            except WorkerLost as err:
+                log.warning("scale request %s: %s", request, err)
+                inbox.done(request, rollout=len(self.rollout_workers), error=str(err))
+                self.pending_scale = None
+                return
+            self.pending_scale = None
+            seconds = time.perf_counter() - start
+            log.warning("rollout pool now %d workers (%.1f s, %d steps trained meanwhile)", len(self.rollout_workers),
+                        seconds, self.version - version)
+            inbox.done(request, rollout=len(self.rollout_workers), seconds=seconds,
+                       steps_while_starting=self.version - version)
+            return
         request = inbox.take()
         if request is None:
             return
+        start = time.perf_counter()
         try:
-            seconds = self.scale(request.get("rollout"))
+            n = check_size("rollout", request.get("rollout"))
+            if n > len(self.rollout_workers):
+                self._check_room(n)
+                pool.begin_grow(n)
+                self.pending_scale = (request, start, self.version)
+                if wait:
+                    self._apply_scale_request(inbox, wait=True)
+                return
+            seconds = self.scale(n)
         except (ValueError, WorkerLost) as err:
             log.warning("scale request %s refused: %s", request, err)
             inbox.done(request, rollout=len(self.rollout_workers), error=str(err))

@@ -71,6 +71,11 @@ class WorkerIds:
         self.ids.append(self._fresh(len(self.ids)))
         return self.ids[-1]
 
+    def reserve(self, slot: int) -> int:
+        """A fresh id for `slot`, a slot past the end whose worker is still starting; `ids.append` adds it once
+        the worker joins (never given again either way)."""
+        return self._fresh(slot)
+
     def remove(self) -> int:
         """The id of the last slot, which leaves."""
         return self.ids.pop()

@@ -137,20 +137,28 @@ def test_demo_job_trains_across_nodes(three_nodes, tmp_path):
         return False
 
     def step_then_scale(groups):
-        if trainer.version in seen and "done" not in seen[trainer.version]:  # the request made after that step
-            seen[trainer.version].update(nodes=[_gcs_node_of(w) for w in trainer.rollout_workers],
-                                         done=json.loads((tmp_path / "control" / "scale_done.json").read_text()))
+        done_file = tmp_path / "control" / "scale_done.json"
+        for asked in [v for v in seen if "done" not in seen[v] and done_file.is_file()]:
+            done = json.loads(done_file.read_text())
+            if done["id"] == seen[asked]["id"]:  # the request made after that step has its result
+                seen[asked].update(nodes=[_gcs_node_of(w) for w in trainer.rollout_workers], done=done)
+        joining = trainer.pools["rollout"].joining
+        if joining is not None and trainer.version >= 7:
+            # the grow asked for after step 5 starts its engines while training goes on (steps 6 and 7 at least);
+            # once they serve, the run loop adds them after this step
+            ray.wait(joining.probes, num_returns=len(joining.probes), timeout=600)
         metrics = step(groups)
         if trainer.version == 5:
             joined.append(cluster.add_node(num_cpus=2, resources={"rollout_node": 2},
                                            object_store_memory=OBJECT_STORE_BYTES))
             cluster.wait_for_nodes()
-            seen[5] = {}
+            seen[5] = {"id": 1}
             assert cli_main(["scale", str(tmp_path), "--rollout-workers", "3", "--wait", "0"]) == 0
         # the shrink is asked for after a step at which a leaving worker holds groups (at most 3 s looked for
         # each step from 14): that worker is killed first, so its drain finds it dead with groups out
-        if 14 <= trainer.version <= 17 and not killed and kill_a_leaving_worker_holding_groups():
-            seen[trainer.version] = {}
+        if (14 <= trainer.version <= 17 and len(trainer.rollout_workers) == 3 and not killed
+                and kill_a_leaving_worker_holding_groups()):
+            seen[trainer.version] = {"id": 2}
             assert cli_main(["scale", str(tmp_path), "--rollout-workers", "1", "--wait", "0"]) == 0
         return metrics
 
@@ -177,6 +185,7 @@ def test_demo_job_trains_across_nodes(three_nodes, tmp_path):
     assert shrunk["nodes"] == [three_nodes["rollout"]]
     grow_done, shrink_done = grown["done"], shrunk["done"]
     assert (grow_done["rollout"], shrink_done["rollout"]) == (3, 1) and "error" not in grow_done
+    assert grow_done["steps_while_starting"] >= 2  # the learner trained on while the new engines started
     assert "error" not in shrink_done
     # the new workers loaded the weights and passed the sync check on what they loaded: their probe results reached
     # the driver's WeightCheck (a gap over the tolerance stops the run), from a version after they joined
@@ -191,7 +200,8 @@ def test_demo_job_trains_across_nodes(three_nodes, tmp_path):
     # drain timeout, and not replaced): at most the groups it held when killed (one may have come back just before)
     assert 1 <= q["queue/dropped_rollout_worker_died"] <= len(killed["held"]), (q, killed)
     assert shrink_done["seconds"] < cfg.rollout.drain_timeout_s and summary["replaced_workers"]["rollout"] == 0
-    print(f"\nmulti-node: a node joined after step 5; grow 1 -> 3 onto it {grow_done['seconds']:.1f} s; after step "
+    print(f"\nmulti-node: a node joined after step 5; grow 1 -> 3 onto it {grow_done['seconds']:.1f} s "
+          f"({grow_done['steps_while_starting']} steps trained meanwhile); after step "
           f"{shrink_step} worker id {killed['id']} killed holding {len(killed['held'])} groups, drain 3 -> 1 "
           f"{shrink_done['seconds']:.1f} s ({q['queue/dropped_rollout_worker_died']} released as died, "
           f"{q.get('queue/dropped_rollout_worker_drained', 0)} as drained)")

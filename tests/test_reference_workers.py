@@ -168,32 +168,41 @@ def test_grpo_run_trains_on_streamed_ref_logprobs_without_a_learner_copy(ray_clu
     # many, so the error path is checked here; replacement itself: tests/test_worker_failure.py
     cfg = load_config(None, [f"output_dir={tmp_path}", "logging.plots=false",
                              "algorithm.preset=grpo", "reference.num_workers=1",
-                             "train.steps=3", "train.max_staleness=0", "learner.prompts_per_step=2",
+                             "train.steps=4", "train.max_staleness=0", "learner.prompts_per_step=2",
                              "rollout.samples_per_prompt=4", "data.num_eval_prompts=8", "fault.max_replacements=0"])
     trainer = Trainer(cfg)
     trained: list[TrajectoryGroup] = []
     step = trainer.step
     resized: dict = {}
+    record_at: dict = {}  # version -> "grow" / "shrink": record the request's result when the next step starts
 
     def step_then_resize(groups):  # records what the learner trains on; resizes the pools between steps
-        if trainer.version in resized:  # the run loop applied the scale request made after the step before
+        if trainer.version in record_at:  # the run loop applied the scale request after the step before
             done = json.loads((tmp_path / "control" / "scale_done.json").read_text())
-            resized[trainer.version].update({
-                "seconds": (resized[trainer.version]["reward_s"], done["seconds"]), "done": done,
-                "ids": list(trainer.supervisor.rollout_ids),
+            resized[record_at.pop(trainer.version)].update({
+                "seconds": done["seconds"], "done": done, "ids": list(trainer.supervisor.rollout_ids),
                 "controller": ray.get(trainer.controller.__ray_call__.remote(
                     lambda c: (list(c.reward_workers), c.num_workers, sorted(c.lost_workers),
                                sorted(c.get_worker_stats())))),
                 "reward_workers": list(trainer.reward_workers)})
+        joining = trainer.pools["rollout"].joining
+        if joining is not None:
+            # the grow asked for after step 1 started its engine and training went on (step 2 here); once it
+            # serves, the run loop adds it after this step
+            assert trainer.version == 1 and len(trainer.rollout_workers) == 1
+            ray.wait(joining.probes, num_returns=len(joining.probes), timeout=300)
+            record_at[2] = "grow"
         trained.extend(groups)
         metrics = step(groups)
-        if trainer.version in (1, 2):
+        if trainer.version in (1, 3):
             t0 = time.monotonic()
-            size = {1: 2, 2: 1}[trainer.version]  # 1 -> 2 after step 1, back to 1 after step 2
+            size = {1: 2, 3: 1}[trainer.version]  # 1 -> 2 after step 1, back to 1 after step 3
             trainer.pools["reward"].resize(size)
-            resized[trainer.version] = {"reward_s": time.monotonic() - t0}
+            resized["grow" if size == 2 else "shrink"] = {"reward_s": time.monotonic() - t0}
             assert cli_main(["scale", str(tmp_path), "--rollout-workers", str(size), "--wait", "0"]) == 0
-        if trainer.version == 3:  # more than the local cluster can ever hold: refused by the driver, the run unharmed
+            if size == 1:
+                record_at[3] = "shrink"  # a shrink drains at once, after this step
+        if trainer.version == 4:  # more than the local cluster can ever hold: refused by the driver, the run unharmed
             assert cli_main(["scale", str(tmp_path), "--rollout-workers", "1000", "--wait", "0"]) == 0
         return metrics
 
@@ -215,15 +224,16 @@ def test_grpo_run_trains_on_streamed_ref_logprobs_without_a_learner_copy(ray_clu
         ray.get(trainer.supervisor.run_refs, timeout=60)
     finally:
         trainer.shutdown()
-    assert summary["steps"] == 3 and len(trained) == 3 * 2
+    assert summary["steps"] == 4 and len(trained) == 4 * 2
     # resize: the controller holds the live reward list, the rollout pool's size and the retired ids; the added
     # rollout worker (id 1: slot 1, never used before) took part, then drained out and its id stays retired
+    grown, shrunk = resized["grow"], resized["shrink"]
     print("reward, rollout pool resize seconds: 1 -> 2 {:.1f}, {:.1f}; 2 -> 1 {:.1f}, {:.1f}".format(
-        *resized[1]["seconds"], *resized[2]["seconds"]))
-    grown, shrunk = resized[1], resized[2]
+        grown["reward_s"], grown["seconds"], shrunk["reward_s"], shrunk["seconds"]))
     assert (grown["done"]["id"], grown["done"]["rollout"], shrunk["done"]["id"], shrunk["done"]["rollout"]) == (1, 2, 2, 1)
+    assert grown["done"]["steps_while_starting"] == 1  # step 2 trained while the new engine started
     logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [line["rollout/num_workers"] for line in logged] == [1.0, 2.0, 1.0]  # logged before each request's apply
+    assert [line["rollout/num_workers"] for line in logged] == [1.0, 1.0, 2.0, 1.0]  # logged before each apply
     assert grown["ids"] == [0, 1] and shrunk["ids"] == [0]
     refused = json.loads((tmp_path / "control" / "scale_done.json").read_text())
     assert (refused["id"], refused["rollout"]) == (3, 1) and refused["error"].startswith(
