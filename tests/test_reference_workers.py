@@ -248,7 +248,7 @@ def test_grpo_run_trains_on_streamed_ref_logprobs_without_a_learner_copy(ray_clu
     q = summary["queue"]
     dropped = sum(v for k, v in q.items() if k.startswith("queue/dropped_"))
     assert q["queue/admitted"] == q["queue/trained"] + dropped + q["queue/depth"], q
-    assert len(summary["trained_group_ids"]) == len(set(summary["trained_group_ids"])) == q["queue/trained"] == 6
+    assert len(summary["trained_group_ids"]) == len(set(summary["trained_group_ids"])) == q["queue/trained"] == 8
     assert summary["replaced_workers"] == {"rollout": 0, "reward": 0, "reference": 0, "teacher": 0,
                                            "critic": 0}
     assert holds_ref == [False]  # the learner rank never loaded a reference copy
