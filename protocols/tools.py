@@ -53,8 +53,10 @@ class ToolsConfig(BaseModel):
     """An OpenEnv-shaped environment, `module:ClassName` (rewards/environment.py): each sample gets its own
     instance, `reset(**row)` is called with its prompt's row, its public typed methods with Google-style
     docstrings are tools (their schemas from transformers' `get_json_schema`), and its reward attribute
-    (environment_reward) replaces the verifier's reward. Needs call_format=hermes; runs in the rollout worker's
-    process like tools.custom, so it must be trusted code. Empty: none."""
+    (environment_reward) replaces the verifier's reward. Meant for call_format=hermes (JSON arguments become
+    keyword arguments, the schemas go into the prompt); in the tagged format a call's argument text goes whole to
+    a one-parameter method. Runs in the rollout worker's process like tools.custom, so it must be trusted code.
+    Empty: none."""
 
     environment_reward: str = Field("reward", pattern=r"^[A-Za-z_]\w*$")
     """The environment's attribute read as the episode's reward when the sample ends (a method, as TRL's
@@ -132,9 +134,6 @@ class ToolsConfig(BaseModel):
         if self.environment and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", self.environment):
             raise ValueError(f"tools.environment={self.environment!r} must be `module:ClassName` "
                              "(e.g. `my_envs.counter:CounterEnv`)")
-        if self.environment and self.call_format != "hermes":
-            raise ValueError(f"tools.environment={self.environment!r} needs tools.call_format=hermes (its tools "
-                             f"take JSON arguments), got {self.call_format!r}; set tools.call_format: hermes")
         return self
 
     @model_validator(mode="after")

@@ -70,7 +70,7 @@ def environment_schemas(cls: type) -> list[dict]:
 def prompt_tools(tools: ToolsConfig) -> list[dict] | None:
     """The schemas the chat template writes into each prompt: the configured tools', and the environment's."""
     schemas = tools.template_tools()
-    if not tools.environment:
+    if not tools.environment or tools.call_format != "hermes":  # the tagged format teaches its calls otherwise
         return schemas
     return [*(schemas or []), *environment_schemas(load_environment(tools))]
 
@@ -101,8 +101,9 @@ class Episode:
             self.error = f"the environment could not start: {type(err).__name__}: {err}"
 
     def call(self, name: str, arguments: str) -> ToolResult:
-        """Run method `name` with `arguments` (a JSON object's text) as keyword arguments, in a thread waited on
-        for tools.timeout_s."""
+        """Run method `name` in a thread waited on for tools.timeout_s. `arguments` is a JSON object's text, its
+        keys the keyword arguments (Hermes calls are); other text goes whole to a method of one parameter (as the
+        tagged format's `NAME:ARGUMENTS` calls a one-argument tool)."""
         start = time.perf_counter()
         if self.error:
             return ToolResult(self.error, "exception", time.perf_counter() - start)
@@ -110,15 +111,20 @@ class Episode:
             known = ", ".join(self.names) or "none"
             return ToolResult(f"unknown tool {name!r}; the tools are: {known}", "unknown_tool",
                               time.perf_counter() - start)
+        method = getattr(self.instance, name)
+        parameters = list(inspect.signature(method).parameters)
         try:
             kwargs = json.loads(arguments) if arguments.strip() else {}
         except ValueError as err:
-            return ToolResult(f"ValueError: the arguments are not JSON ({err})", "exception",
-                              time.perf_counter() - start)
+            if len(parameters) != 1 or arguments.lstrip().startswith("{"):
+                return ToolResult(f"ValueError: the arguments are not a JSON object ({err})", "exception",
+                                  time.perf_counter() - start)
+            kwargs = {parameters[0]: arguments}
+        if not isinstance(kwargs, dict) and len(parameters) == 1:
+            kwargs = {parameters[0]: kwargs if isinstance(kwargs, str) else arguments}  # a JSON string: its text
         if not isinstance(kwargs, dict):
             return ToolResult(f"TypeError: the arguments must be a JSON object, got {type(kwargs).__name__}",
                               "exception", time.perf_counter() - start)
-        method = getattr(self.instance, name)
         try:
             inspect.signature(method).bind(**kwargs)
         except TypeError as err:

@@ -86,9 +86,8 @@ def test_a_method_without_a_docstring_is_refused_naming_it():
         environment_schemas(NoDoc)
 
 
-def test_the_config_needs_hermes_and_a_module_class_name():
-    with pytest.raises(ValueError, match="needs tools.call_format=hermes"):
-        ToolsConfig(environment="demos.products_env:ProductsEnv")
+def test_the_config_needs_a_module_class_name_and_only_hermes_prompts_get_the_schemas():
+    assert prompt_tools(ToolsConfig(environment="demos.products_env:ProductsEnv")) is None
     with pytest.raises(ValueError, match="must be `module:ClassName`"):
         ToolsConfig(environment="ProductsEnv", call_format="hermes")
     assert TOOLS.enabled
@@ -103,12 +102,16 @@ def test_reset_gets_the_prompts_row_and_calls_are_keyword_arguments():
     assert episode.observation == "an observation"
     result = episode.call("echo", json.dumps({"text": "hi"}))
     assert (result.output, result.error) == ("hi", "")
+    # the tagged format's argument text goes whole to a one-parameter method
+    assert episode.call("echo", "12*34").output == "12*34"
+    assert episode.call("echo", "7").output == "7" and episode.call("echo", "[1, 2]").output == "[1, 2]"
 
 
 @pytest.mark.parametrize("name, arguments, error, text", [
     ("nope", "{}", "unknown_tool", "unknown tool 'nope'; the tools are: echo, fail, huge, sleep"),
-    ("echo", "{not json", "exception", "ValueError: the arguments are not JSON"),
-    ("echo", "[1]", "exception", "TypeError: the arguments must be a JSON object, got list"),
+    ("echo", "{not json", "exception", "ValueError: the arguments are not a JSON object"),
+    ("fail", "[1]", "exception", "TypeError: the arguments must be a JSON object, got list"),
+    ("fail", "plain text", "exception", "ValueError: the arguments are not a JSON object"),
     ("echo", '{"text": "hi", "x": 1}', "exception", "TypeError: echo: got an unexpected keyword argument 'x'"),
     ("echo", "{}", "exception", "TypeError: echo: missing a required argument: 'text'"),
     ("fail", "{}", "exception", "RuntimeError: broken tool"),
