@@ -29,8 +29,8 @@ from gateway.chat_render import ChatRenderer
 from gateway.hermes import parse_hermes
 from protocols.reward import RewardConfig
 from protocols.tools import ToolsConfig
-from rewards.tool_calls import MalformedCall, ParsedCall, argument_text, cut_output, parse_call, render_output
 from rewards.environment import Episode, load_environment
+from rewards.tool_calls import MalformedCall, ParsedCall, argument_text, cut_output, parse_call, render_output
 from rewards.tools import ToolBox, ToolResult
 
 TIMEOUT_GRACE_S = 5.0

@@ -60,8 +60,8 @@ class ToolsConfig(BaseModel):
 
     environment_reward: str = Field("reward", pattern=r"^[A-Za-z_]\w*$")
     """The environment's attribute read as the episode's reward when the sample ends (a method, as TRL's
-    `get_reward`, is called). A missing, non-numeric or
-    non-finite value is counted (tools/environment_bad_rewards) and scored 0."""
+    `get_reward`, is called). A missing, non-numeric or non-finite value is counted (the worker's `tools` report,
+    `environment_bad_rewards`) and scored 0."""
 
     call_format: Literal["tagged", "hermes"] = "tagged"
     """How a call is written: `tagged` is `call_start` NAME:ARGUMENTS `call_end` (see the module docstring);

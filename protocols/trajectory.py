@@ -171,7 +171,8 @@ class Trajectory(BaseModel):
     def __getstate__(self) -> dict[Any, Any]:
         # A single-turn record pickles (Ray's wire format) to the bytes it had before tool calls existed.
         state = super().__getstate__()
-        unset = {name for name in ("tool_calls", "context_spans", "environment_reward") if getattr(self, name) is None}
+        unset = {name for name in ("tool_calls", "context_spans", "environment_reward")
+                 if getattr(self, name) is None}
         if unset:
             state["__dict__"] = {k: v for k, v in state["__dict__"].items() if k not in unset}
         return state
