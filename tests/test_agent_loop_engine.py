@@ -300,9 +300,9 @@ def test_an_environment_episode_runs_on_the_engine_and_its_reward_lands_on_the_t
     loop = DecodeLoop(engine, params, 4, MAX_RESPONSE_TOKENS, 0, on_request_end=agent)
     loop.start_group("g", prompt)
     groups, deadline = [], time.monotonic() + 120
-    while not groups:
+    while loop.has_unfinished():
         assert time.monotonic() < deadline
-        groups = loop.step(0)
+        groups += loop.step(0)
     agent.close()
     (group,) = groups
     for t in group.trajectories:
