@@ -12,6 +12,10 @@ With `tools.call_format: hermes` the loop is a client of the session endpoint's 
 the model's end of turn, its calls are read by gateway/hermes.py (all of them, run one after the other), and their
 outputs go back as `tool` messages, rendered by the chat template after the turn's end (gateway/chat_render.py's
 delta, the same tokens a session's next prompt gets).
+
+With tools.environment each sample gets its own environment instance (rewards/environment.py Episode), started at
+its first turn's end; its calls go to the instance's methods, and its reward attribute, read when the sample ends,
+goes on the sample (`environment_reward`) for the reward worker.
 """
 
 import json
@@ -25,6 +29,7 @@ from gateway.chat_render import ChatRenderer
 from gateway.hermes import parse_hermes
 from protocols.reward import RewardConfig
 from protocols.tools import ToolsConfig
+from rewards.environment import Episode, load_environment
 from rewards.tool_calls import MalformedCall, ParsedCall, argument_text, cut_output, parse_call, render_output
 from rewards.tools import ToolBox, ToolResult
 
@@ -33,10 +38,14 @@ TIMEOUT_GRACE_S = 5.0
 the ToolBox cannot stop it, e.g. the sandbox's start) the loop gives up waiting and answers `timeout` itself."""
 
 COUNTER_NAMES = ("calls", "malformed_calls", "max_turns", "truncated_outputs", "budget_cut_outputs",
-                 "errors_unknown_tool", "errors_exception", "errors_timeout")
+                 "errors_unknown_tool", "errors_exception", "errors_timeout", "environment_episodes",
+                 "environment_start_errors", "environment_bad_rewards", "environment_observations_unshown")
 """`counts` keys, all present from the start: tool calls run; model turns that ended at `call_end` but could not
 be read (each ends its sample as a plain response); samples stopped at tools.max_turns; outputs cut at
-tools.max_output_tokens; tool segments cut because the response-token budget ran out; failed calls by kind."""
+tools.max_output_tokens; tool segments cut because the response-token budget ran out; failed calls by kind;
+environment episodes started, those whose constructor or reset raised, those whose reward was missing or not a
+number (scored 0), and those whose reset returned an observation (text the model does not see: prompts are
+tokenized by the data loader before a sample starts)."""
 
 
 class _Call:
@@ -59,6 +68,9 @@ class AgentLoop:
         self.cfg = tools
         self.tokenizer = tokenizer
         self.toolbox = toolbox if toolbox is not None else ToolBox(tools, reward)
+        self.environment = load_environment(tools) if tools.environment else None
+        self.episodes: dict[tuple[str, int], Episode] = {}
+        """The environment instance of each sample in flight (tools.environment), by (group id, index)."""
         self.pool = ThreadPoolExecutor(max_workers=tools.pool_size, thread_name_prefix="tool")
         self.running: dict[Future, _Call] = {}
         self.counts: Counter = Counter({name: 0 for name in COUNTER_NAMES})
@@ -73,6 +85,12 @@ class AgentLoop:
 
     # --- a model turn ended ------------------------------------------------------------------------------------
     def __call__(self, sample: SampleInFlight, output: Any) -> RequestEnd | Pending:
+        if self.environment is not None and (sample.group_id, sample.index) not in self.episodes:
+            self._start_episode(sample)
+        decision = self._turn_end(sample, output)
+        return decision if isinstance(decision, Pending) else self._end(sample, decision)
+
+    def _turn_end(self, sample: SampleInFlight, output: Any) -> RequestEnd | Pending:
         parsed = self._parse(output.outputs[0])
         if parsed is None:
             return FINISHED  # a plain answer (or the budget ran out mid-call)
@@ -99,6 +117,8 @@ class AgentLoop:
             return MalformedCall(reply.error)
         if not reply.tool_calls:
             return None
+        if self.environment is not None:  # the environment's methods take the JSON object as keyword arguments
+            return [ParsedCall(c["function"]["name"], c["function"]["arguments"]) for c in reply.tool_calls]
         return [ParsedCall(c["function"]["name"], argument_text(json.loads(c["function"]["arguments"])))
                 for c in reply.tool_calls]
 
@@ -112,8 +132,30 @@ class AgentLoop:
                 results.append(ToolResult(f"TimeoutError: the turn's calls ran past tools.timeout_s="
                                           f"{self.cfg.timeout_s:g} s", "timeout", 0.0))
                 continue
-            results.append(self.toolbox.run(parsed.name, parsed.arguments))
+            episode = self.episodes.get((call.sample.group_id, call.sample.index))
+            results.append(episode.call(parsed.name, parsed.arguments) if episode is not None
+                           else self.toolbox.run(parsed.name, parsed.arguments))
         return results
+
+    # --- environment episodes ----------------------------------------------------------------------------------
+    def _start_episode(self, sample: SampleInFlight) -> None:
+        episode = Episode(self.environment, sample.prompt, self.cfg)
+        self.episodes[(sample.group_id, sample.index)] = episode
+        self.counts["environment_episodes"] += 1
+        self.counts["environment_start_errors"] += bool(episode.error)
+        self.counts["environment_observations_unshown"] += bool(episode.observation)
+
+    def _end(self, sample: SampleInFlight, decision: RequestEnd) -> RequestEnd:
+        """A sample that ends reads its episode's reward (0 and counted when it is missing or not a number)."""
+        if self.environment is None or not isinstance(decision, Finished):
+            return decision
+        episode = self.episodes.pop((sample.group_id, sample.index), None)
+        if episode is None:
+            return decision
+        reward = episode.reward()
+        self.counts["environment_bad_rewards"] += reward is None
+        sample.environment_reward = 0.0 if reward is None else reward
+        return decision
 
     # --- tools that are done -----------------------------------------------------------------------------------
     def ready(self) -> list[tuple[SampleInFlight, RequestEnd]]:
@@ -130,8 +172,9 @@ class AgentLoop:
             else:
                 continue
             del self.running[future]
-            out.append((call.sample, self._append(call, results[0]) if self.renderer is None
-                        else self._append_messages(call, results)))
+            decision = (self._append(call, results[0]) if self.renderer is None
+                        else self._append_messages(call, results))
+            out.append((call.sample, self._end(call.sample, decision)))
         return out
 
     def _count(self, result: ToolResult) -> None:
@@ -192,6 +235,7 @@ class AgentLoop:
         for future in self.running:
             future.cancel()
         self.running.clear()
+        self.episodes.clear()
 
     def report(self) -> dict[str, float]:
         """The counters since this loop started, for the worker's report (`tools` there)."""

@@ -69,6 +69,8 @@ class SampleInFlight:
     """Requests that ended so far."""
     tool_calls: list[ToolCall] = field(default_factory=list)
     """Tool calls so far, each with where its output segment lies in `response_token_ids`."""
+    environment_reward: float | None = None
+    """The reward its environment episode gave when it ended (tools.environment); None without one."""
 
     @property
     def prefix_ids(self) -> list[int]:
@@ -281,6 +283,7 @@ class DecodeLoop:
             token_versions=sample.token_versions, response_text=sample.response_text,
             finish_reason=decision.reason or engine_reason,
             worker_id=self.worker_id, tool_calls=sample.tool_calls or None, malformed_call=decision.malformed_call,
+            environment_reward=sample.environment_reward,
         )
         if not group.done:
             return None

@@ -25,6 +25,7 @@ from protocols.metrics import eval_metrics
 from protocols.reward import RewardConfig
 from protocols.trajectory import Prompt
 from rewards.datasets import DataError, load_prompts
+from rewards.environment import prompt_tools
 from rewards.pass_at_k import mean_pass_at_k, powers_of_two_up_to
 
 log = logging.getLogger(__name__)
@@ -205,7 +206,7 @@ def write_rows(path: str | Path, set_name: str, flat: list[tuple], results: list
 # ----- during training ----------------------------------------------------------------------------------------
 def load_eval_sets(cfg: RunConfig, tokenizer: Any) -> list[EvalSet]:
     """train.eval_sets, loaded before any actor starts (a bad file fails here with its path and line)."""
-    return [load_eval_set(name, cfg.data, tokenizer, tools=cfg.tools.template_tools()) for name in cfg.train.eval_sets]
+    return [load_eval_set(name, cfg.data, tokenizer, tools=prompt_tools(cfg.tools)) for name in cfg.train.eval_sets]
 
 
 def evaluate(workers: list, prompts: list[Prompt], reward_workers: list, reward_cfg: RewardConfig,
@@ -261,7 +262,7 @@ def run_eval(cfg: RunConfig, model: str, data: str, samples: int, fields: dict[s
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": model})})
     cfg = fit_lengths_to_model(cfg, model)
     tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=cfg.model.trust_remote_code)
-    eval_set = load_eval_set(data, cfg.data, tokenizer, fields, cfg.tools.template_tools())
+    eval_set = load_eval_set(data, cfg.data, tokenizer, fields, prompt_tools(cfg.tools))
     started = not ray.is_initialized()
     start_ray(cfg)
     placement = create_placement(cfg, roles=("rollout", "reward"))

@@ -42,6 +42,7 @@ from protocols.metrics import gateway_metrics, length_metrics, rollout_metrics
 from protocols.training_batch import TrainingBatch
 from protocols.trajectory import TrajectoryGroup
 from rewards.datasets import load_prompts
+from rewards.environment import prompt_tools
 from rewards.registry import resolve_verifier
 from rewards.tool_calls import tool_counts, tool_metrics
 from weights.delta import delta_metrics
@@ -82,7 +83,7 @@ class Trainer:
         # weight_sync.verify_every: the probe is built (and refused if it does not fit the engines) before any actor
         self.weight_check = (WeightCheck(cfg, len(tokenizer), cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens)
                              if cfg.weight_sync.verify_every else None)
-        tools = cfg.tools.template_tools()
+        tools = prompt_tools(cfg.tools)
         self.train_prompts, self.data_counts = load_prompts(cfg.data, "train", tokenizer, tools)
         self.eval_prompts, eval_counts = load_prompts(cfg.data, "test", tokenizer, tools)
         self.eval_prompts = self.eval_prompts[: cfg.data.num_eval_prompts]

@@ -49,6 +49,20 @@ class ToolsConfig(BaseModel):
     output text (str); it runs in a worker thread of the rollout worker's process with tools.timeout_s, so it
     must be safe to run there (use the `python` tool for untrusted code)."""
 
+    environment: str = ""
+    """An OpenEnv-shaped environment, `module:ClassName` (rewards/environment.py): each sample gets its own
+    instance, `reset(**row)` is called with its prompt's row, its public typed methods with Google-style
+    docstrings are tools (their schemas from transformers' `get_json_schema`), and its reward attribute
+    (environment_reward) replaces the verifier's reward. Meant for call_format=hermes (JSON arguments become
+    keyword arguments, the schemas go into the prompt); in the tagged format a call's argument text goes whole to
+    a one-parameter method. Runs in the rollout worker's process like tools.custom, so it must be trusted code.
+    Empty: none."""
+
+    environment_reward: str = Field("reward", pattern=r"^[A-Za-z_]\w*$")
+    """The environment's attribute read as the episode's reward when the sample ends (a method, as TRL's
+    `get_reward`, is called). A missing, non-numeric or non-finite value is counted (the worker's `tools` report,
+    `environment_bad_rewards`) and scored 0."""
+
     call_format: Literal["tagged", "hermes"] = "tagged"
     """How a call is written: `tagged` is `call_start` NAME:ARGUMENTS `call_end` (see the module docstring);
     `hermes` is Qwen2.5/Qwen3's own format through the model's chat template, which must support tools (the
@@ -82,7 +96,7 @@ class ToolsConfig(BaseModel):
 
     @property
     def enabled(self) -> bool:
-        return bool(self.builtin or self.custom)
+        return bool(self.builtin or self.custom or self.environment)
 
     @property
     def names(self) -> list[str]:
@@ -95,7 +109,8 @@ class ToolsConfig(BaseModel):
 
     def schemas(self) -> list[dict]:
         """The tools as OpenAI function schemas, for the chat template (`call_format: hermes`): each takes one
-        string argument, which becomes the tool's argument text."""
+        string argument, which becomes the tool's argument text. An environment's schemas come from its class
+        (rewards/environment.py prompt_tools adds them; protocols/ does not import transformers)."""
         return [{"type": "function", "function": {
             "name": name, "description": TOOL_DESCRIPTIONS.get(name, f"The user tool `{name}`."),
             "parameters": {"type": "object", "properties": {ARGUMENT_NAMES.get(name, "input"): {"type": "string"}},
@@ -113,6 +128,13 @@ class ToolsConfig(BaseModel):
                 raise ValueError(
                     f"tools.custom.{name}={target!r} must be `module:function` (e.g. `my_tools.search:run`)")
         return custom
+
+    @model_validator(mode="after")
+    def _check_environment(self) -> "ToolsConfig":
+        if self.environment and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", self.environment):
+            raise ValueError(f"tools.environment={self.environment!r} must be `module:ClassName` "
+                             "(e.g. `my_envs.counter:CounterEnv`)")
+        return self
 
     @model_validator(mode="after")
     def _check_template(self) -> "ToolsConfig":

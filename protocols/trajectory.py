@@ -143,6 +143,10 @@ class Trajectory(BaseModel):
     malformed_call: bool = Field(False, exclude_if=lambda malformed: not malformed)
     """The last turn tried a tool call that did not parse (the agent loop's verdict, read by the tools/* metrics):
     the sample ended there as a plain response (finish reason `stop`)."""
+    environment_reward: float | None = Field(None, exclude_if=lambda reward: reward is None)
+    """The reward of the sample's environment episode (tools.environment; 0 when it gave none that is a number),
+    which the reward worker puts in `reward` in place of the verifier's; None without an environment (so other
+    records are what they were, on the wire and on disk)."""
     reward: float = 0.0
     result: VerifierResult | None = None
     """Set by the reward worker; None until scored."""
@@ -167,7 +171,8 @@ class Trajectory(BaseModel):
     def __getstate__(self) -> dict[Any, Any]:
         # A single-turn record pickles (Ray's wire format) to the bytes it had before tool calls existed.
         state = super().__getstate__()
-        unset = {name for name in ("tool_calls", "context_spans") if getattr(self, name) is None}
+        unset = {name for name in ("tool_calls", "context_spans", "environment_reward")
+                 if getattr(self, name) is None}
         if unset:
             state["__dict__"] = {k: v for k, v in state["__dict__"].items() if k not in unset}
         return state
@@ -175,6 +180,7 @@ class Trajectory(BaseModel):
     def __setstate__(self, state: dict[Any, Any]) -> None:
         state["__dict__"].setdefault("tool_calls", None)
         state["__dict__"].setdefault("context_spans", None)
+        state["__dict__"].setdefault("environment_reward", None)
         super().__setstate__(state)
 
     def _context_runs(self) -> list[tuple[int, int, str]]:

@@ -92,7 +92,9 @@ class Scorer:
 
     def score_group(self, group: TrajectoryGroup) -> TrajectoryGroup:
         """Fills `reward` and `result` of every trajectory (their `response_text` is already decoded). The
-        verifier reads each one's final answer (`final_text`: all of it for a single-turn response)."""
+        verifier reads each one's final answer (`final_text`: all of it for a single-turn response). A sample with
+        an environment reward (tools.environment) takes that as its `reward`; the verifier's stays in `result`
+        (`correct` and `reward`) and the environment's is in `result.info["environment_reward"]`."""
         trajs = group.trajectories
         results = self.score(
             [t.prompt for t in trajs], [t.final_text for t in trajs], [len(t.response_token_ids) for t in trajs],
@@ -101,6 +103,9 @@ class Scorer:
         for traj, result in zip(trajs, results, strict=True):
             traj.result = result
             traj.reward = result.reward
+            if traj.environment_reward is not None:
+                result.info["environment_reward"] = traj.environment_reward
+                traj.reward = traj.environment_reward
         return group
 
     def counters(self) -> dict[str, float]:

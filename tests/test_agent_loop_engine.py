@@ -259,3 +259,59 @@ def test_evaluation_runs_the_agent_loop_and_scores_the_final_answer(worker):
     rows = worker.generate_eval(prompts, 2, 1.0, 1.0, 0)
     assert len(texts) == 3 and all(isinstance(x, str) for x in texts)
     assert [len(r) for r in rows] == [2, 2, 2] and all(r["response"].endswith(r["text"]) for rs in rows for r in rs)
+
+
+class CalculatorEnv:
+    """An OpenEnv-shaped environment (tools.environment): its `calculator` method is the tool; the reward is 1 when
+    the episode's first result is the row's answer."""
+
+    def reset(self, answer: str = "", **row) -> None:
+        self.answer, self.results = answer, []
+
+    def calculator(self, expression: str) -> str:
+        """Evaluate an arithmetic expression.
+
+        Args:
+            expression: The expression, e.g. 12*34.
+        """
+        from rewards.tools import calculate
+
+        self.results.append(calculate(expression))
+        return self.results[-1]
+
+    @property
+    def reward(self) -> float:
+        return float(bool(self.results) and self.results[0] == self.answer)
+
+
+def test_an_environment_episode_runs_on_the_engine_and_its_reward_lands_on_the_trajectory(worker):
+    cfg, tok = worker.cfg, worker.tokenizer
+    tools = cfg.tools.model_copy(update={"builtin": [], "environment": "tests.test_agent_loop_engine:CalculatorEnv"})
+    prompt = Prompt(prompt_id="t/0", prompt_token_ids=tok.encode("12*34=", add_special_tokens=False), answer="408")
+    engine = RecordingEngine(worker.engine)
+
+    def params(sample, max_tokens):
+        p = worker._sampling_params(sample, max_tokens)
+        if sample.requests_ended == 0:
+            p.logit_bias = first_turn_bias(sample.index)
+        return p
+
+    agent = AgentLoop(tools, cfg.reward, tok)
+    loop = DecodeLoop(engine, params, 4, MAX_RESPONSE_TOKENS, 0, on_request_end=agent)
+    loop.start_group("g", prompt)
+    groups, deadline = [], time.monotonic() + 120
+    while loop.has_unfinished():
+        assert time.monotonic() < deadline
+        groups += loop.step(0)
+    agent.close()
+    (group,) = groups
+    for t in group.trajectories:
+        # even samples call 12*34 (the answer, reward 1), odd ones 5*6 (reward 0), through the instance's method
+        first = t.tool_calls[0]
+        assert (first.name, first.arguments, first.error) == (
+            "calculator", "12*34" if t.sample_index % 2 == 0 else "5*6", "")
+        assert first.output == ("408" if t.sample_index % 2 == 0 else "30")
+        assert t.environment_reward == (1.0 if t.sample_index % 2 == 0 else 0.0)
+        assert not any(t.loss_mask[first.output_start:first.output_start + first.output_tokens])
+    assert agent.counts["environment_episodes"] == 4 and agent.counts["environment_bad_rewards"] == 0
+    assert agent.episodes == {}
