@@ -13,7 +13,6 @@ import inspect
 import json
 import logging
 import math
-import threading
 import time
 from typing import Any
 
@@ -21,7 +20,7 @@ from transformers.utils import get_json_schema
 
 from protocols.tools import ToolsConfig
 from protocols.trajectory import Prompt
-from rewards.tools import ToolResult
+from rewards.tools import ToolResult, call_in_thread
 
 log = logging.getLogger(__name__)
 
@@ -129,33 +128,8 @@ class Episode:
             inspect.signature(method).bind(**kwargs)
         except TypeError as err:
             return ToolResult(f"TypeError: {name}: {err}", "exception", time.perf_counter() - start)
-        result = self._in_thread(method, kwargs)
+        result = call_in_thread(method, (), kwargs, self.cfg.timeout_s, f"environment tool {method.__name__}")
         return ToolResult(result.output, result.error, time.perf_counter() - start)
-
-    def _in_thread(self, method: Any, kwargs: dict) -> ToolResult:
-        # As tools.custom functions run (rewards/tools.py ToolBox._in_thread): a thread cannot be killed, so past
-        # the limit the call is answered `timeout` and the thread is left to finish.
-        box: dict[str, Any] = {}
-
-        def target() -> None:
-            try:
-                box["value"] = method(**kwargs)
-            except BaseException as err:  # noqa: BLE001 - reported as the call's `exception`
-                box["error"] = err
-
-        thread = threading.Thread(target=target, name=f"env-{method.__name__}", daemon=True)
-        thread.start()
-        thread.join(self.cfg.timeout_s)
-        if thread.is_alive():
-            log.warning("environment tool %s ran past tools.timeout_s=%g s; its thread is left running",
-                        method.__name__, self.cfg.timeout_s)
-            return ToolResult(f"TimeoutError: the tool ran past tools.timeout_s={self.cfg.timeout_s:g} s",
-                              "timeout", 0.0)
-        if "error" in box:
-            err = box["error"]
-            return ToolResult(f"{type(err).__name__}: {err}", "exception", 0.0)
-        value = box.get("value")
-        return ToolResult("" if value is None else str(value), "", 0.0)
 
     def reward(self) -> float | None:
         """The episode's reward: the instance's tools.environment_reward attribute (called when it is a method)

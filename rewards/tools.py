@@ -110,34 +110,35 @@ class ToolBox:
         return ToolResult(_join(run.stdout, tail), "exception", run.seconds)
 
     def _in_thread(self, fn: Callable[[str], object]) -> Callable[[str], ToolResult]:
-        """`fn` in a thread of its own, waited on for tools.timeout_s. A thread cannot be killed: past the limit
-        the call is answered `timeout` and the thread is left to finish (logged), so only trusted code belongs
+        """`fn` in a thread of its own, waited on for tools.timeout_s (`call_in_thread`): only trusted code belongs
         here (untrusted programs go through the `python` tool)."""
+        name = getattr(fn, "__name__", "fn")
+        return lambda arguments: call_in_thread(fn, (arguments,), {}, self.cfg.timeout_s, f"tool {name}")
 
-        def call(arguments: str) -> ToolResult:
-            box: dict[str, object] = {}
 
-            def target() -> None:
-                try:
-                    box["value"] = fn(arguments)
-                except BaseException as err:  # noqa: BLE001 - reported as the call's `exception`
-                    box["error"] = err
+def call_in_thread(fn: Callable, args: tuple, kwargs: dict, timeout_s: float, what: str) -> ToolResult:
+    """`fn(*args, **kwargs)` in a thread of its own, waited on for `timeout_s`; its return value as text, or its
+    exception by kind. A thread cannot be killed: past the limit the call is answered `timeout` and the thread is
+    left to finish (logged)."""
+    box: dict[str, object] = {}
 
-            thread = threading.Thread(target=target, name=f"tool-{getattr(fn, '__name__', 'fn')}", daemon=True)
-            thread.start()
-            thread.join(self.cfg.timeout_s)
-            if thread.is_alive():
-                log.warning("tool %s ran past tools.timeout_s=%g s; its thread is left running",
-                            getattr(fn, "__name__", fn), self.cfg.timeout_s)
-                return ToolResult(f"TimeoutError: the tool ran past tools.timeout_s={self.cfg.timeout_s:g} s",
-                                  "timeout", 0.0)
-            if "error" in box:
-                err = box["error"]
-                return ToolResult(f"{type(err).__name__}: {err}", "exception", 0.0)
-            value = box.get("value")
-            return ToolResult("" if value is None else str(value), "", 0.0)
+    def target() -> None:
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as err:  # noqa: BLE001 - reported as the call's `exception`
+            box["error"] = err
 
-        return call
+    thread = threading.Thread(target=target, name=what.replace(" ", "-"), daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        log.warning("%s ran past tools.timeout_s=%g s; its thread is left running", what, timeout_s)
+        return ToolResult(f"TimeoutError: the tool ran past tools.timeout_s={timeout_s:g} s", "timeout", 0.0)
+    if "error" in box:
+        err = box["error"]
+        return ToolResult(f"{type(err).__name__}: {err}", "exception", 0.0)
+    value = box.get("value")
+    return ToolResult("" if value is None else str(value), "", 0.0)
 
 
 def _load(name: str, target: str) -> Callable[[str], object]:
