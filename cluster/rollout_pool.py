@@ -7,8 +7,8 @@ in the same placement bundle under a new controller id (cluster/worker_pool.py `
 weights and takes work. With a transport that forms a group (weight_sync.type=collective) every engine and learner
 rank 0 open a new group instead, and a broadcast that a dead engine broke is sent again on it. A grow starts new
 engines (`begin_grow`) and adds them the same way once they serve (`finish_grow`, which the driver calls between
-steps, so training goes on while they start); a shrink drains the leaving ones: they are granted nothing more, their groups in flight come back
-(within rollout.drain_timeout_s, which the driver passes; what is left is released as dropped
+steps, so training goes on while they start); a shrink drains the leaving ones: they are granted nothing more,
+their groups in flight come back (within rollout.drain_timeout_s, which the driver passes; what is left is released as dropped
 `rollout_worker_drained`), then they stop.
 """
 
@@ -21,7 +21,7 @@ import ray
 from actors.rollout_worker import RolloutWorker
 from cluster.ray_setup import rollout_options
 from cluster.scale_requests import check_size
-from cluster.worker_pool import WorkerIds, WorkerLost, WorkerPool, resize_plan
+from cluster.worker_pool import WorkerIds, WorkerLost, WorkerPool, resize_plan, start_failures
 from protocols.config import RunConfig
 from protocols.weight_announcement import WeightAnnouncement
 from weights.backends import weight_backend
@@ -282,17 +282,7 @@ class RolloutPool(WorkerPool):
         if pending and time.monotonic() < joining.deadline:
             return None
         self.joining = None
-        limit = self.cfg.fault.worker_start_timeout_s
-        failed: dict[int, str] = {}
-        for k, ref in enumerate(joining.probes):
-            if ref in pending:
-                failed[k] = (f"not serving within fault.worker_start_timeout_s={limit} s: the cluster had no room "
-                             "for it (see `ray status`), or its engine start takes longer (raise the timeout)")
-                continue
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayError as err:
-                failed[k] = f"its start failed: {type(err).__name__}: {str(err).strip().splitlines()[-1][:300]}"
+        failed = start_failures(dict(enumerate(joining.probes)), pending, self.cfg.fault.worker_start_timeout_s)
         first = len(self.workers)
         for k, (worker, worker_id) in enumerate(zip(joining.workers, joining.ids)):
             if k in failed:

@@ -110,6 +110,22 @@ def resize_plan(current: int, target: int, bundles: int) -> ResizePlan:
                       leave=list(range(current - 1, target - 1, -1)))
 
 
+def start_failures(probes: dict, pending: list, limit: float) -> dict:
+    """{key: why} of the new workers whose first call (`probes`, by key) is still `pending` after `limit` seconds
+    or raised: the reason a pool logs, counts and reports."""
+    failed = {}
+    for key, ref in probes.items():
+        if ref in pending:
+            failed[key] = (f"not serving within fault.worker_start_timeout_s={limit} s: the cluster had no room for "
+                           "it (see `ray status`), or its engine start takes longer (raise the timeout)")
+            continue
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayError as err:
+            failed[key] = f"its start failed: {type(err).__name__}: {str(err).strip().splitlines()[-1][:300]}"
+    return failed
+
+
 # --- the pools ---------------------------------------------------------------------------------------------------
 @dataclass
 class PoolContext:
@@ -310,16 +326,7 @@ class WorkerPool:
         limit = self.cfg.fault.worker_start_timeout_s
         refs = {s: getattr(self.workers[s], self.probe).remote() for s in slots}
         _, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=limit)
-        failed = {}
-        for slot, ref in refs.items():
-            if ref in pending:
-                failed[slot] = (f"not serving within fault.worker_start_timeout_s={limit} s: the cluster had no room "
-                                "for it (see `ray status`), or its engine start takes longer (raise the timeout)")
-                continue
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayError as err:
-                failed[slot] = f"its start failed: {type(err).__name__}: {str(err).strip().splitlines()[-1][:300]}"
+        failed = start_failures(refs, pending, limit)
         for slot in failed:
             ray.kill(self.workers[slot])
             log.warning("new %s worker in slot %d did not start: %s", self.name, slot, failed[slot])

@@ -179,3 +179,49 @@ def test_two_engines_dead_at_once_are_each_replaced_once(ray_cluster):
     assert sorted(replaced) == [0, 2]
     for worker in pool.workers:
         ray.kill(worker)
+
+
+@ray.remote(num_cpus=0)
+class EngineThatFails:
+    """A new rollout worker whose engine start raised."""
+
+    def get_version(self) -> int:
+        raise RuntimeError("engine start failed")
+
+
+@ray.remote(num_cpus=0)
+class RetiredIds:
+    """The controller's retire_worker stand-in."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+
+    def retire_worker(self, worker_id: int) -> None:
+        self.ids.append(worker_id)
+
+    def retired(self) -> list[int]:
+        return self.ids
+
+
+@pytest.mark.slow
+def test_a_grow_whose_engine_fails_to_start_is_counted_and_the_pool_keeps_its_size(ray_cluster):
+    """begin_grow returns at once; finish_grow finds the new engine's start failed: the actor is killed, its
+    reserved id retired, the failure counted, and WorkerLost says so; the pool keeps the worker it had."""
+    from cluster.rollout_pool import RolloutPool
+    from cluster.worker_pool import PoolContext, WorkerLost
+    from protocols.config import load_config
+
+    controller = RetiredIds.remote()
+    pool = RolloutPool(PoolContext(load_config(None, []), controller, placement=None, model_path="unused"))
+    launched = StopResume.remote()  # slot 0's worker (any live actor: the grow does not call it)
+    pool.workers.append(launched)
+    pool.build = lambda slot, worker_id: EngineThatFails.remote()
+    pool.begin_grow(2)
+    assert pool.joining is not None and pool.workers == [launched]
+    with pytest.raises(WorkerLost, match=r"1 of 1 new rollout worker\(s\) did not start \(its start failed: .*"
+                                         r"engine start failed\); the pool goes on with 1"):
+        pool.finish_grow(wait=True)
+    assert pool.joining is None and pool.workers == [launched] and pool.ids.ids == [0]
+    assert pool.start_failures == 1 and ray.get(controller.retired.remote()) == [1]
+    assert pool.finish_grow() is None  # nothing under way
+    ray.kill(launched)
