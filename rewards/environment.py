@@ -8,7 +8,6 @@ tool pool, and puts the reward it reads on the trajectory; the reward worker use
 in a thread waited on for tools.timeout_s, so it must be trusted code. Nothing here raises for a bad call.
 """
 
-import importlib
 import inspect
 import json
 import logging
@@ -20,7 +19,7 @@ from transformers.utils import get_json_schema
 
 from protocols.tools import ToolsConfig
 from protocols.trajectory import Prompt
-from rewards.tools import ToolResult, call_in_thread
+from rewards.tools import ToolResult, call_in_thread, load_target
 
 log = logging.getLogger(__name__)
 
@@ -31,13 +30,7 @@ tools.environment_reward to read the reward from it)."""
 
 def load_environment(tools: ToolsConfig) -> type:
     """The class named by tools.environment (`module:ClassName`); a bad name fails the worker's start."""
-    module_name, _, attr = tools.environment.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(
-            f"tools.environment={tools.environment!r} could not be loaded ({type(err).__name__}: {err}); give "
-            "`module:ClassName` with the module importable by the rollout workers (on PYTHONPATH)") from err
+    cls = load_target("tools.environment", tools.environment, "ClassName")
     if not inspect.isclass(cls) or not callable(getattr(cls, "reset", None)):
         raise ValueError(f"tools.environment={tools.environment!r} is not a class with a `reset(**row)` method")
     return cls

@@ -141,14 +141,20 @@ def call_in_thread(fn: Callable, args: tuple, kwargs: dict, timeout_s: float, wh
     return ToolResult("" if value is None else str(value), "", 0.0)
 
 
-def _load(name: str, target: str) -> Callable[[str], object]:
+def load_target(setting: str, target: str, shape: str) -> object:
+    """The object a `module:name` setting names (`setting` is the setting's dotted name, `shape` what `name`
+    should be, for the error); a bad name fails the worker's start."""
     module_name, _, attr = target.partition(":")
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
+        return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as err:
         raise ValueError(
-            f"tools.custom.{name}={target!r} could not be loaded ({type(err).__name__}: {err}); give "
-            "`module:function` with the module importable by the rollout workers (on PYTHONPATH)") from err
+            f"{setting}={target!r} could not be loaded ({type(err).__name__}: {err}); give `module:{shape}` with "
+            "the module importable by the rollout workers (on PYTHONPATH)") from err
+
+
+def _load(name: str, target: str) -> Callable[[str], object]:
+    fn = load_target(f"tools.custom.{name}", target, "function")
     if not callable(fn):
         raise ValueError(f"tools.custom.{name}={target!r} is a {type(fn).__name__}, not a function")
     return fn
