@@ -352,7 +352,7 @@ class Trainer:
         """Between two steps: the newest `relayrl scale` request, if any, and write back the result (or why it
         was refused); a request that cannot be met is reported, and the run goes on with the workers it has. A
         grow only starts its engines here: training goes on while they start, and a later call adds them once
-        they serve (`wait`: now; the run's end) and writes the record, with the steps trained meanwhile. A
+        they serve (`wait`: block until then, at the run's end) and writes the record, with the steps trained meanwhile. A
         request made during a grow waits in the inbox until it ends. A shrink drains at once."""
         pool = self.pools["rollout"]
         if self.pending_scale is not None:
@@ -383,8 +383,6 @@ class Trainer:
                 self._check_room(n)
                 pool.begin_grow(n)
                 self.pending_scale = (request, start, self.version)
-                if wait:
-                    self._apply_scale_request(inbox, wait=True)
                 return
             seconds = self.scale(n)
         except (ValueError, WorkerLost) as err:
