@@ -269,7 +269,8 @@ def panel_pool(ax: Axes, rows: list[dict], summary: dict) -> bool:
     if x:
         ax.step(x, y, where="post", label="rollout/num_workers")
     cx, change = series(rows, "autoscale/change")
-    sizes = dict(zip(*series(rows, "autoscale/size")))
+    # a decision is drawn at the size it asked for (autoscale/target; runs before it logged the size after it)
+    sizes = dict(zip(*series(rows, "autoscale/target"))) or dict(zip(*series(rows, "autoscale/size")))
     for sign, marker, color, label in ((1, "^", "tab:green", "autoscaler grew"),
                                        (-1, "v", "tab:orange", "autoscaler shrank")):
         at = [s for s, c in zip(cx, change) if c * sign > 0 and s in sizes]

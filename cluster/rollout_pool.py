@@ -5,11 +5,13 @@ A rollout worker's `run()` only returns when the run stops, so a run ref that fi
 leases are released through the controller (counted as dropped `rollout_worker_died`), and a replacement starts
 in the same placement bundle under a new controller id (cluster/worker_pool.py `WorkerIds`), loads the newest
 weights and takes work. With a transport that forms a group (weight_sync.type=collective) every engine and learner
-rank 0 open a new group instead, and a broadcast that a dead engine broke is sent again on it. A grow starts new
-engines (`begin_grow`) and adds them the same way once they serve (`finish_grow`, which the driver calls between
-steps, so training goes on while they start); a shrink drains the leaving ones: they are granted nothing more,
-their groups in flight come back (within rollout.drain_timeout_s, which the driver passes; what is left is released as dropped
-`rollout_worker_drained`), then they stop.
+rank 0 open a new group instead, and a broadcast that a dead engine broke is sent again on it.
+
+Resizes never pause the learner; the driver advances them between steps (cluster/scaling.py). A grow starts new
+engines (`begin_grow`) and adds them the same way once they serve (`finish_grow`). A shrink takes the leaving
+workers out of the pool at once (`begin_drain`: they are granted nothing more) and stops them once their groups in
+flight came back (`finish_drain`; past rollout.drain_timeout_s what is left is released as dropped
+`rollout_worker_drained`).
 """
 
 import logging
@@ -46,6 +48,22 @@ class Joining:
     """time.monotonic() past which those not serving count as failed (fault.worker_start_timeout_s)."""
 
 
+@dataclass
+class Leaving:
+    """Workers draining for a shrink (`RolloutPool.begin_drain`), out of the pool already: generation and
+    training go on while their groups in flight come back."""
+
+    target: int
+    workers: list
+    ids: list[int]
+    draining: dict
+    """Controller id -> `run()` ref of those still holding groups (a ref that ends is a worker that died)."""
+    died: list[int]
+    started: float
+    deadline: float
+    """time.monotonic() past which their groups still out are released (rollout.drain_timeout_s)."""
+
+
 class RolloutPool(WorkerPool):
     name = "rollout"
     probe = "get_version"
@@ -72,6 +90,8 @@ class RolloutPool(WorkerPool):
         """The announcement of the last send on a rejoined group: a broken publish returns it."""
         self.joining: Joining | None = None
         """A grow under way (begin_grow), until finish_grow adds its engines."""
+        self.leaving: Leaving | None = None
+        """A shrink under way (begin_drain), until finish_drain stops its workers."""
 
     def build(self, index: int, worker_id: int):
         """A rollout worker in slot `index`'s bundle under controller id `worker_id`, given the live lists of every
@@ -88,6 +108,10 @@ class RolloutPool(WorkerPool):
             for worker in self.joining.workers:
                 ray.kill(worker)
             self.joining = None
+        if self.leaving is not None:  # workers still draining for a shrink
+            for worker in self.leaving.workers:
+                ray.kill(worker)
+            self.leaving = None
         super().shutdown()
 
     # --- runs -------------------------------------------------------------------------------------------------------
@@ -97,7 +121,10 @@ class RolloutPool(WorkerPool):
 
     def stop_runs(self) -> list[dict]:
         """Stop generation and collect each worker's report, within fault.worker_start_timeout_s. A worker found
-        dead here is released and replaced (not restarted): evaluation needs its engine."""
+        dead here is released and replaced (not restarted): evaluation needs its engine. A drain under way ends
+        first: the stop would end the leaving workers' runs, which a drain reads as deaths."""
+        if self.leaving is not None:
+            self.finish_drain(wait=True)
         ray.get(self.ctx.controller.stop.remote(), timeout=self.cfg.fault.worker_start_timeout_s)
         refs, self.run_refs = self.run_refs or [], None
         limit = self.cfg.fault.worker_start_timeout_s
@@ -231,21 +258,25 @@ class RolloutPool(WorkerPool):
 
     # --- resize -----------------------------------------------------------------------------------------------------
     def resize(self, n: int, drain_timeout_s: float | None = None) -> None:
-        """Grow to `n` engines and wait for them (begin_grow, then finish_grow), or shrink by draining the last
-        ones (see `_drain`, which waits at most `drain_timeout_s`: the driver passes rollout.drain_timeout_s;
-        fault.worker_start_timeout_s if None). A grow under way is finished first. Raises WorkerLost, as
-        finish_grow does, when new engines did not start (the run goes on)."""
+        """Resize to `n` engines and wait until it is done: a grow starts them and adds them once they serve
+        (begin_grow, finish_grow), a shrink drains the last ones (begin_drain, finish_drain: `drain_timeout_s`).
+        A resize under way is finished first. Raises WorkerLost, as finish_grow does, when new engines did not
+        start (the run goes on)."""
         n = check_size("rollout", n)
-        if self.joining is not None:
-            self.finish_grow(wait=True)
-        first = len(self.workers)
-        if n > first:
+        self.settle()
+        if n > len(self.workers):
             self.begin_grow(n)
             self.finish_grow(wait=True)
-        elif n < first:
-            self._drain(first - n, drain_timeout_s)
-            self._tell_controller(self.ctx.controller.set_num_workers.remote(n))
-            log.warning("rollout pool shrank from %d to %d workers (ids %s)", first, n, self.ids.ids)
+        elif n < len(self.workers):
+            self.begin_drain(n, drain_timeout_s)
+            self.finish_drain(wait=True)
+
+    def settle(self) -> None:
+        """Wait for the grow or drain under way, if any, to end (a grow's WorkerLost propagates)."""
+        if self.joining is not None:
+            self.finish_grow(wait=True)
+        if self.leaving is not None:
+            self.finish_drain(wait=True)
 
     def begin_grow(self, n: int) -> None:
         """Start the engines that grow the pool to `n` (new controller ids; the placement's bundles while there
@@ -253,9 +284,9 @@ class RolloutPool(WorkerPool):
         stepping, and `finish_grow` adds them once they serve."""
         n = check_size("rollout", n)
         first = len(self.workers)
-        if self.joining is not None or n <= first:
+        if self.joining is not None or self.leaving is not None or n <= first:
             raise ValueError(f"begin_grow({n}) with {first} rollout workers"
-                             + (f" and a grow to {self.joining.target} under way" if self.joining else "")
+                             + (" and a resize under way" if self.joining or self.leaving else "")
                              + ": a grow starts from a settled pool, to more workers than it has")
         plan = resize_plan(first, n, self.bundles)
         ids = [self.ids.reserve(slot) for slot in plan.start]
@@ -306,41 +337,64 @@ class RolloutPool(WorkerPool):
             raise WorkerLost(self._start_report("rollout", len(joining.workers), failed, len(self.workers)))
         return seconds
 
-    def _drain(self, count: int, timeout_s: float | None) -> None:
-        """The last `count` workers leave: the controller grants them nothing more (their ids are retired), their
-        groups in flight finish and come back as usual for up to `timeout_s`; the groups still out then are
-        released (dropped `rollout_worker_drained`, their admission budget freed) and the actors stop. A leaving
-        worker that dies meanwhile (its `run()` ends) has its groups released at once, as any dead worker's
-        (dropped `rollout_worker_died`), rather than at the timeout; it is not replaced. Their counters stay in the
-        controller's worker stats, not in summary.json's reports."""
-        controller, limit = self.ctx.controller, self.cfg.fault.worker_start_timeout_s
+    def begin_drain(self, n: int, timeout_s: float | None = None) -> None:
+        """Shrink to `n` workers: the last ones leave the pool at once (the controller grants them nothing more,
+        their ids are retired) and return: the driver goes on stepping while their groups in flight finish and
+        come back as usual; `finish_drain` ends the drain once none is out or `timeout_s` passed (the driver
+        passes rollout.drain_timeout_s; fault.worker_start_timeout_s if None)."""
+        n = check_size("rollout", n)
+        first = len(self.workers)
+        if self.joining is not None or self.leaving is not None or n >= first:
+            raise ValueError(f"begin_drain({n}) with {first} rollout workers and a resize "
+                             f"{'under way' if self.joining or self.leaving else 'to no fewer'}: a drain starts from "
+                             "a settled pool, to fewer workers than it has")
         leaving = []
-        for _ in range(count):
+        for _ in range(first - n):
             run_ref = self.run_refs.pop() if self.run_refs is not None else None
             leaving.append((self.workers.pop(), self.ids.remove(), run_ref))
         ids = [worker_id for _, worker_id, _ in leaving]
-        ray.get([controller.retire_worker.remote(i) for i in ids], timeout=limit)
-        deadline = time.monotonic() + (limit if timeout_s is None else timeout_s)
-        draining = {worker_id: run_ref for _, worker_id, run_ref in leaving}
-        died = []
-        while draining and time.monotonic() < deadline:
-            # run() returns only at a stop, which a resize never sends: a finished run is a dead worker
-            ended = [i for i, ref in draining.items() if ref is not None and ray.wait([ref], timeout=0)[0]]
+        limit = self.cfg.fault.worker_start_timeout_s
+        ray.get([self.ctx.controller.retire_worker.remote(i) for i in ids], timeout=limit)
+        self._tell_controller(self.ctx.controller.set_num_workers.remote(n))
+        now = time.monotonic()
+        self.leaving = Leaving(n, [w for w, _, _ in leaving], ids, {i: ref for _, i, ref in leaving}, [], now,
+                               now + (limit if timeout_s is None else timeout_s))
+        log.warning("rollout pool shrinking from %d to %d workers: ids %s drain", first, n, ids)
+
+    def finish_drain(self, wait: bool = False) -> float | None:
+        """End the drain under way once the leaving workers hold no group or its deadline passed: the groups still
+        out are released (dropped `rollout_worker_drained`, their admission budget freed) and the actors stop.
+        A leaving worker that dies meanwhile (its `run()` ends: a drain sends no stop) has its groups released at
+        once, as any dead worker's (dropped `rollout_worker_died`); it is not replaced. Returns the drain's seconds,
+        or None while groups are still out (`wait`: block until the deadline) or when no drain is under way. The
+        leaving workers' counters stay in the controller's worker stats, not in summary.json's reports."""
+        leaving = self.leaving
+        if leaving is None:
+            return None
+        controller, limit = self.ctx.controller, self.cfg.fault.worker_start_timeout_s
+        while True:
+            ended = [i for i, ref in leaving.draining.items() if ref is not None and ray.wait([ref], timeout=0)[0]]
             for worker_id in ended:
                 released = ray.get(controller.release_worker.remote(worker_id, "rollout_worker_died"), timeout=limit)
                 log.warning("rollout worker id %d died while draining; %d groups it held released", worker_id,
                             len(released))
-                died.append(worker_id)
-                del draining[worker_id]
-            held = ray.get([controller.leases_of.remote(i) for i in draining], timeout=limit)
-            draining = {i: ref for (i, ref), leases in zip(draining.items(), held) if leases}
-            if draining:
-                time.sleep(0.05)
-        released = ray.get([controller.release_worker.remote(i, "rollout_worker_drained") for i in ids
-                            if i not in died], timeout=limit)
-        for worker, _, _ in leaving:
+                leaving.died.append(worker_id)
+                del leaving.draining[worker_id]
+            held = ray.get([controller.leases_of.remote(i) for i in leaving.draining], timeout=limit)
+            leaving.draining = {i: ref for (i, ref), leases in zip(leaving.draining.items(), held) if leases}
+            if not leaving.draining or time.monotonic() >= leaving.deadline:
+                break
+            if not wait:
+                return None
+            time.sleep(0.05)
+        self.leaving = None
+        released = ray.get([controller.release_worker.remote(i, "rollout_worker_drained") for i in leaving.ids
+                            if i not in leaving.died], timeout=limit)
+        for worker in leaving.workers:
             ray.kill(worker)
-        log.warning("rollout workers %s drained; %d groups still in flight released", ids,
+        seconds = time.monotonic() - leaving.started
+        log.warning("rollout workers %s drained in %.1f s; %d groups still in flight released", leaving.ids, seconds,
                     sum(len(r) for r in released))
         if weight_backend(self.cfg).forms_group:  # the group's membership loses the leaving engines
             self._rejoin_weight_group([])
+        return seconds

@@ -20,16 +20,15 @@ from cluster import checkpoint
 from cluster.evaluation import evaluate, evaluate_sets, load_eval_sets
 from cluster.learner_group import LearnerGroup
 from cluster.model_folder import fit_lengths_to_model, resolve_model_path
-from cluster.placement import (PlacementError, check_pool_sizes, create_placement, nodes_from_ray, precheck_embedded,
-                               resource_request)
+from cluster.placement import create_placement, precheck_embedded
 from cluster.pools import check_roles, start_pools
 from cluster.ray_setup import start_ray
-from cluster.autoscaler import Autoscaler, StepSignals
 from cluster.run_folder import RunFolder
-from cluster.scale_requests import DriverHeartbeat, ScaleInbox, check_size
+from cluster.scale_requests import DriverHeartbeat, ScaleInbox
+from cluster.scaling import Scaling
 from cluster.shared_folder import check_run_folder_shared
 from cluster.supervisor import Supervisor
-from cluster.worker_pool import PoolContext, WorkerLost
+from cluster.worker_pool import PoolContext
 from learner.objective import finalize_metrics
 from learner.prepare import (
     check_streamed_scores,
@@ -118,11 +117,9 @@ class Trainer:
         self.learner.join_weight_group(self.rollout_workers)  # nothing to join unless the transport forms a group
         # worker failure: health checks, replacements and bounded waits, pool by pool
         self.supervisor = Supervisor(cfg, self.controller, self.pools)
-        self.autoscaler = Autoscaler(cfg.rollout.autoscale) if cfg.rollout.autoscale.enabled else None
-        self.requested_resources = False
-        self.pending_scale: tuple[dict, float, int] | None = None
-        """A `relayrl scale` grow whose engines are starting: (request, start time, version when asked)."""
-        """A resize asked Ray's autoscaler for resources (cluster.autoscaling); withdrawn at shutdown."""
+        # resizes of the rollout pool while the job runs: `relayrl scale`, the autoscaler
+        self.scaling = Scaling(cfg, self.pools, lambda: ray.get(self.controller.stats.remote(),
+                                                                timeout=cfg.fault.worker_start_timeout_s))
         self.version = 0
         self.trained_group_ids: list[str] = []
         self.accuracy_before: float | None = None
@@ -225,8 +222,7 @@ class Trainer:
                            "publish_s": metrics["time/publish_s"], "step_s": metrics["time/step_s"]})
             if cfg.train.eval_every and self.version % cfg.train.eval_every == 0 and self.version < cfg.train.steps:
                 metrics["eval/accuracy"] = self._evaluate_midway(report=metrics)
-            if self.autoscaler is not None:
-                metrics.update(self._autoscale(metrics))
+            metrics.update(self.scaling.after_step(metrics, self.version, inbox))
             if cfg.train.save_every and self.version % cfg.train.save_every == 0:
                 self.save_checkpoint(folder.path)
             if self.version % cfg.train.log_every == 0:
@@ -238,10 +234,8 @@ class Trainer:
                 metrics.update(self.data_counts)
                 metrics["rollout/num_workers"] = float(len(self.rollout_workers))
                 folder.log(self.version, metrics)
-            self._apply_scale_request(inbox)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", acc=f"{metrics['reward/accuracy']:.2f}")
-        if self.pending_scale is not None:  # a grow whose engines still start: add them, for the last evaluation
-            self._apply_scale_request(inbox, wait=True)
+        self.scaling.settle(inbox, self.version)  # a resize under way ends, for the last evaluation
         self.supervisor.stop_runs()
         worker_reports = self.supervisor.reports()
         self.supervisor.ensure_alive()
@@ -294,103 +288,10 @@ class Trainer:
         return summary
 
     def scale(self, rollout_workers: int) -> float:
-        """Resize the running job's rollout pool to `rollout_workers` (between two steps: new workers load the
-        newest weights and pass the sync check before their first sample; leaving ones drain within
-        rollout.drain_timeout_s). Returns the seconds it took. Raises ValueError, the pool unchanged, for a size
-        that is not a whole number >= 1 or that the cluster can never hold (`_check_room`); WorkerLost when new
-        workers did not start (the pool keeps those that did)."""
-        n = check_size("rollout", rollout_workers)
-        start = time.perf_counter()
-        if n != len(self.rollout_workers):
-            self._check_room(n)
-        self.pools["rollout"].resize(n, self.cfg.rollout.drain_timeout_s)
-        return time.perf_counter() - start
-
-    def _check_room(self, rollout_workers: int) -> None:
-        """Refuse a rollout pool the cluster's nodes can never hold beside the rest of the run (the launch plan with
-        the new size, cluster/placement.py). With cluster.autoscaling, ask Ray's autoscaler for the whole run at
-        the new size instead (`request_resources` replaces the run's previous request, so a shrink lets it
-        remove nodes too); the new workers then start when the nodes arrive."""
-        sizes = {"rollout": rollout_workers, **{name: len(self.pools[name].workers)
-                                                for name in ("reward", "reference") if name in self.pools}}
-        if self.cfg.cluster.autoscaling:
-            from ray.autoscaler.sdk import request_resources
-
-            bundles = resource_request(self.cfg, sizes)
-            request_resources(bundles=bundles)
-            self.requested_resources = True
-            log.warning("asked Ray's autoscaler for %d bundles (the run with %d rollout workers)", len(bundles),
-                        rollout_workers)
-            return
-        try:
-            check_pool_sizes(self.cfg, sizes, nodes_from_ray())
-        except PlacementError as err:
-            raise ValueError(f"{rollout_workers} rollout workers are more than this cluster can ever hold beside "
-                             f"the rest of the run: {err} If Ray's autoscaler adds nodes to this cluster, set "
-                             "cluster.autoscaling=true") from None
-
-    def _autoscale(self, metrics: dict) -> dict[str, float]:
-        """One decision of the rollout autoscaler (rollout.autoscale) on this step's numbers, applied at once;
-        autoscale/* for metrics.jsonl. A resize that fails is logged and counted; the run goes on."""
-        stats = ray.get(self.controller.stats.remote(), timeout=self.cfg.fault.worker_start_timeout_s)
-        signals = StepSignals(wait_s=metrics["time/wait_s"], step_s=metrics["time/step_s"],
-                              queue_depth=int(stats["queue/depth"]), prompts_per_step=self.cfg.learner.prompts_per_step,
-                              dropped_stale=int(stats.get("queue/dropped_stale", 0)))
-        size = len(self.rollout_workers)
-        wanted, reason = self.autoscaler.decide(size, signals)
-        out = {"autoscale/wait_frac": signals.wait_s / max(signals.step_s, 1e-9), f"autoscale/reason_{reason}": 1.0}
-        if wanted != size:
-            try:
-                self.scale(wanted)
-            except (ValueError, WorkerLost) as err:
-                log.warning("autoscaler: resize %d -> %d failed: %s", size, wanted, err)
-                out["autoscale/failed"] = 1.0
-        return {**out, "autoscale/size": float(len(self.rollout_workers)),
-                "autoscale/change": float(len(self.rollout_workers) - size)}
-
-    def _apply_scale_request(self, inbox: ScaleInbox, wait: bool = False) -> None:
-        """Between two steps: the newest `relayrl scale` request, if any, and write back the result (or why it
-        was refused); a request that cannot be met is reported, and the run goes on with the workers it has. A
-        grow only starts its engines here: training goes on while they start, and a later call adds them once
-        they serve (`wait`: block until then, at the run's end) and writes the record, with the steps trained meanwhile. A
-        request made during a grow waits in the inbox until it ends. A shrink drains at once."""
-        pool = self.pools["rollout"]
-        if self.pending_scale is not None:
-            request, start, version = self.pending_scale
-            try:
-                # None while engines start; a resize from Python or the autoscaler may have finished the grow
-                if pool.finish_grow(wait=wait) is None and pool.joining is not None:
-                    return
-            except WorkerLost as err:
-                log.warning("scale request %s: %s", request, err)
-                inbox.done(request, rollout=len(self.rollout_workers), error=str(err))
-                self.pending_scale = None
-                return
-            self.pending_scale = None
-            seconds = time.perf_counter() - start
-            log.warning("rollout pool now %d workers (%.1f s, %d steps trained meanwhile)", len(self.rollout_workers),
-                        seconds, self.version - version)
-            inbox.done(request, rollout=len(self.rollout_workers), seconds=seconds,
-                       steps_while_starting=self.version - version)
-            return
-        request = inbox.take()
-        if request is None:
-            return
-        start = time.perf_counter()
-        try:
-            n = check_size("rollout", request.get("rollout"))
-            if n > len(self.rollout_workers):
-                self._check_room(n)
-                pool.begin_grow(n)
-                self.pending_scale = (request, start, self.version)
-                return
-            seconds = self.scale(n)
-        except (ValueError, WorkerLost) as err:
-            log.warning("scale request %s refused: %s", request, err)
-            inbox.done(request, rollout=len(self.rollout_workers), error=str(err))
-            return
-        log.warning("rollout pool now %d workers (%.1f s)", len(self.rollout_workers), seconds)
-        inbox.done(request, rollout=len(self.rollout_workers), seconds=seconds)
+        """Resize the rollout pool to `rollout_workers` and wait until it is done (cluster/scaling.py
+        `Scaling.scale`: the errors, the seconds it returns). A running job is resized with `relayrl scale RUN_DIR`
+        instead, between two steps and without pausing the learner."""
+        return self.scaling.scale(rollout_workers)
 
     def save_checkpoint(self, run_dir: Path) -> Path:
         """Checkpoint the run between two steps into run_dir/checkpoints/step_N (layout, atomic write, `latest`
@@ -491,10 +392,7 @@ class Trainer:
         return accuracy
 
     def shutdown(self) -> None:
-        if self.requested_resources:  # the request persists until replaced: let the autoscaler remove the nodes
-            from ray.autoscaler.sdk import request_resources
-
-            request_resources(bundles=[])
+        self.scaling.release()
         self.learner.shutdown()
         for pool in self.pools.values():
             pool.shutdown()

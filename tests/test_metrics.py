@@ -141,13 +141,18 @@ def test_short_run_logs_reward_worker_counters_eval_sets_and_tool_metrics(ray_cl
         "rollout.autoscale.enabled=true", "rollout.autoscale.max_workers=2", "rollout.autoscale.patience_steps=1",
         "rollout.autoscale.cooldown_steps=1"])
     trainer = Trainer(cfg)
-    scale, resizes = trainer.scale, []
+    step, joined_at = trainer.step, []
 
-    def timed_scale(n: int) -> float:  # the autoscaler's resizes: (size, seconds)
-        resizes.append((n, scale(n)))
-        return resizes[-1][1]
+    def step_after_the_grow_serves(groups):
+        # the grow the autoscaler asked for after step 1 starts its engine while step 2 trains; the engine is
+        # waited for here so that it joins after step 2 and generates for steps 3 and 4
+        joining = trainer.pools["rollout"].joining
+        if joining is not None:
+            ray_cluster.wait(joining.probes, num_returns=len(joining.probes), timeout=300)
+            joined_at.append(trainer.version)
+        return step(groups)
 
-    trainer.scale = timed_scale
+    trainer.step = step_after_the_grow_serves
     try:
         summary = trainer.run()
         pool_size = len(trainer.rollout_workers)
@@ -156,19 +161,23 @@ def test_short_run_logs_reward_worker_counters_eval_sets_and_tool_metrics(ray_cl
         trainer.shutdown()
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 4
-    for row in rows:  # autoscale/*: one decision per step, logged with its reason
-        assert row["autoscale/size"] == row["rollout/num_workers"] <= 2.0
+    for row in rows:  # autoscale/*: one decision per step, logged with its reason; size: the workers serving
+        assert row["autoscale/size"] == row["rollout/num_workers"] <= row["autoscale/target"] <= 2.0
         assert 0 <= row["autoscale/wait_frac"] <= 1
         assert sum(v for k, v in row.items() if k.startswith("autoscale/reason_")) == 1.0
-    # the one grow: a step whose learner waited over grow_wait_frac=0.1 of it, 1 -> 2 workers, never past max_workers
+    # the one grow: a step whose learner waited over grow_wait_frac=0.1 of it, 1 -> 2 workers, never past max_workers;
+    # 1 still serves at that step (the engine starts while the next trains), 2 from step 2's end
     [grow] = [r for r in rows if r["autoscale/change"] != 0.0]
     assert grow["autoscale/change"] == 1.0 and grow.get("autoscale/reason_grow_waiting") == 1.0
-    assert grow["autoscale/wait_frac"] > 0.1 and grow["autoscale/size"] == 2.0 and "autoscale/failed" not in grow
-    assert [n for n, _ in resizes] == [2] and pool_size == 2
+    assert grow["autoscale/wait_frac"] > 0.1 and grow["autoscale/target"] == 2.0 and "autoscale/failed" not in grow
+    assert grow["step"] == 1 and grow["autoscale/size"] == 1.0 and joined_at == [1]
+    # after step 2 the engine (waited for before it) joins, then the cooldown holds; the pool stays at its limit
+    assert rows[1]["autoscale/reason_hold_cooldown"] == 1.0
+    assert [r["rollout/num_workers"] for r in rows] == [1.0, 2.0, 2.0, 2.0] and pool_size == 2
     # the new worker (controller id 1) generated: its groups reached the controller
     assert worker_stats[1]["groups"] > 0, worker_stats
     print(f"\nautoscaler: grew 1 -> 2 after step {grow['step']:.0f} (learner waited "
-          f"{grow['autoscale/wait_frac']:.0%} of it) in {resizes[0][1]:.1f} s")
+          f"{grow['autoscale/wait_frac']:.0%} of it); step 2 trained while its engine started")
     assert not (tmp_path / "plots").exists()  # logging.plots=false (tests/test_plots.py draws the tool figures)
     # tools/*: each logged step and their totals in the summary
     for row in rows:

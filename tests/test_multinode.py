@@ -136,12 +136,15 @@ def test_demo_job_trains_across_nodes(three_nodes, tmp_path):
             time.sleep(0.02)
         return False
 
-    def step_then_scale(groups):
+    def record_done():
         done_file = tmp_path / "control" / "scale_done.json"
         for asked in [v for v in seen if "done" not in seen[v] and done_file.is_file()]:
             done = json.loads(done_file.read_text())
             if done["id"] == seen[asked]["id"]:  # the request made after that step has its result
                 seen[asked].update(nodes=[_gcs_node_of(w) for w in trainer.rollout_workers], done=done)
+
+    def step_then_scale(groups):
+        record_done()
         joining = trainer.pools["rollout"].joining
         if joining is not None and trainer.version >= 7:
             # the grow asked for after step 5 starts its engines while training goes on (steps 6 and 7 at least);
@@ -172,6 +175,7 @@ def test_demo_job_trains_across_nodes(three_nodes, tmp_path):
         # the newest weights, put by learner rank 0, now also sit in the rollout node's object store
         locations = ray.experimental.get_object_locations(refs)
         worker_stats = ray.get(trainer.controller.get_worker_stats.remote())
+        record_done()  # a drain that ended only at the run's end
     finally:
         trainer.shutdown()
         for node in joined:  # the module's later tests plan on the three nodes
@@ -185,7 +189,7 @@ def test_demo_job_trains_across_nodes(three_nodes, tmp_path):
     assert shrunk["nodes"] == [three_nodes["rollout"]]
     grow_done, shrink_done = grown["done"], shrunk["done"]
     assert (grow_done["rollout"], shrink_done["rollout"]) == (3, 1) and "error" not in grow_done
-    assert grow_done["steps_while_starting"] >= 2  # the learner trained on while the new engines started
+    assert grow_done["steps_while_resizing"] >= 2  # the learner trained on while the new engines started
     assert "error" not in shrink_done
     # the new workers loaded the weights and passed the sync check on what they loaded: their probe results reached
     # the driver's WeightCheck (a gap over the tolerance stops the run), from a version after they joined
@@ -201,7 +205,7 @@ def test_demo_job_trains_across_nodes(three_nodes, tmp_path):
     assert 1 <= q["queue/dropped_rollout_worker_died"] <= len(killed["held"]), (q, killed)
     assert shrink_done["seconds"] < cfg.rollout.drain_timeout_s and summary["replaced_workers"]["rollout"] == 0
     print(f"\nmulti-node: a node joined after step 5; grow 1 -> 3 onto it {grow_done['seconds']:.1f} s "
-          f"({grow_done['steps_while_starting']} steps trained meanwhile); after step "
+          f"({grow_done['steps_while_resizing']} steps trained meanwhile); after step "
           f"{shrink_step} worker id {killed['id']} killed holding {len(killed['held'])} groups, drain 3 -> 1 "
           f"{shrink_done['seconds']:.1f} s ({q['queue/dropped_rollout_worker_died']} released as died, "
           f"{q.get('queue/dropped_rollout_worker_drained', 0)} as drained)")
