@@ -11,6 +11,7 @@ import pytest
 import ray
 import torch
 
+from cluster.scale_requests import request_scale
 from tests.test_worker_failure import check_finished_and_accounted
 
 pytestmark = pytest.mark.slow
@@ -43,7 +44,8 @@ def test_killed_rollout_workers_rejoin_the_collective_weight_group(ray_cluster, 
     the version again, on the new group). The weight-sync check (on by default) proves every engine holds the
     weights its version label says. Worker 1 is killed once version 8 is announced (the driver waits meanwhile), so the
     driver's next health check finds it first; its replacement opens the second new group, which the first
-    replacement joins as a survivor."""
+    replacement joins as a survivor. After step 10 `relayrl scale` shrinks the pool to 1: slot 1 drains beside the
+    steps, then the one engine left opens a third group, on which versions 11 and 12 reach it."""
     from cluster.trainer import Trainer
     from protocols.training_batch import TrainingBatch
     from tests.test_pipeline import demo_config
@@ -70,6 +72,8 @@ def test_killed_rollout_workers_rejoin_the_collective_weight_group(ray_cluster, 
             # version 8 is announced: the workers start loading it and generating with it
             kill_and_wait(trainer.rollout_workers[1], pids[1])
             killed.append("after_a_publish")
+        if trainer.version == 10:
+            assert request_scale(tmp_path, 1) == 1
         return metrics
 
     trainer.learner.train_step = train_then_kill
@@ -82,6 +86,7 @@ def test_killed_rollout_workers_rejoin_the_collective_weight_group(ray_cluster, 
         # rejoined group: their log-probs must be the learner's, as in test_weight_sync.
         probe = {"prompt_ids": [[1, 3, 13, 4, 14], [1, 5, 13, 9, 14]], "response_ids": [[5, 7, 2], [3, 3, 8, 2]]}
         versions = ray.get([w.get_version.remote() for w in trainer.rollout_workers])
+        worker_stats = ray.get(trainer.controller.get_worker_stats.remote())
         engines = ray.get([w.sequence_logprobs.remote(probe["prompt_ids"], probe["response_ids"])
                            for w in trainer.rollout_workers])
         batch = TrainingBatch.from_samples(probe["prompt_ids"], probe["response_ids"])
@@ -100,10 +105,14 @@ def test_killed_rollout_workers_rejoin_the_collective_weight_group(ray_cluster, 
     # the health check found the dead worker before any broadcast did, so nothing was sent twice
     assert resent == 1
     # each replacement's first load came through its new group, labelled with the weights it is: 5, the version
-    # whose broadcast broke (the learner had already stepped to it), and 8, the one announced when it joined
-    for joined in (5, 8):
-        assert any(r["versions_seen"][:2] == [0, joined] for r in summary["rollout"]), (joined, summary["rollout"])
-    assert versions == [summary["steps"], summary["steps"]] == [12, 12]
+    # whose broadcast broke (the learner had already stepped to it; slot 0's replacement, id 2, which stays), and
+    # 8, the one announced when it joined (slot 1's replacement, id 3, which later drained out: its probes)
+    assert any(r["versions_seen"][:2] == [0, 5] for r in summary["rollout"]), summary["rollout"]
+    assert min(p["version"] for p in worker_stats[3]["weight_probes"]) == 8, worker_stats[3]["weight_probes"]
+    done = json.loads((tmp_path / "control" / "scale_done.json").read_text())
+    assert (done["id"], done["rollout"]) == (1, 1) and "error" not in done, done
+    # the one engine left holds the last version, received on the group it opened after the drain
+    assert versions == [summary["steps"]] == [12]
     flat = lambda rows: torch.tensor([x for row in rows for x in row])  # noqa: E731
     gaps = [float((flat(engine) - flat(learner)).abs().max()) for engine in engines]
     print(f"broadcasts resent {resent}, replacements' log-prob gaps {gaps}, wall {summary['wall_seconds']:.0f} s")
