@@ -6,7 +6,8 @@ The job starts with `--workers` rollout workers; after step `--scale-at` the sam
   before the request and over the steps after the new workers' first samples, with the learner's wait share in each
   window (a learner that hardly waits bounds generation: more workers cannot raise it);
 - the time from the request to each new worker's first sample (the controller's `first_scored_at`), split into the
-  wait for the step to end, the resize (engine start, weight load) and the new run's first group.
+  wait for the step to end, the resize (engine start, weight load; the learner trains on meanwhile, and the steps
+  it trained are printed) and the new run's first group.
     python benchmarks/elastic_real.py --steps 40 --scale-at 15 --to 2
 """
 
@@ -93,7 +94,7 @@ def main() -> None:
     wb, wa = wait_share(rows, args.warmup, args.scale_at), wait_share(rows, after_first, args.steps)
     print(f"{'learner wait share':<44}{wb:>10.3f}{wa:>10.3f}")
     print(f"\nrequest -> applied (step end + resize): {done['applied_at'] - done['requested_at']:.1f} s, of which the "
-          f"resize {done['seconds']:.1f} s")
+          f"resize {done['seconds']:.1f} s, with {done['steps_while_resizing']} steps trained meanwhile")
     for worker_id, seconds in firsts.items():
         print(f"request -> first sample of new worker id {worker_id}: {seconds:.1f} s")
     print(f"accuracy {summary['accuracy_before']:.2f} -> {summary['accuracy_after']:.2f}, "
