@@ -12,6 +12,7 @@ import zlib
 from typing import Any
 
 from actors.decode_loop import DecodeLoop, SampleInFlight
+from actors.prefix_cache import salted
 from protocols.tools import ToolsConfig
 from protocols.trajectory import Prompt, Trajectory
 from rewards.tool_calls import stop_strings
@@ -23,18 +24,20 @@ def tool_stops(tools: ToolsConfig) -> dict:
     return {"stop": stop_strings(tools), "include_stop_str_in_output": True} if tools.enabled else {}
 
 
-def greedy_texts(llm, prompts: list[Prompt], max_tokens: int, lora_request: Any = None) -> list[str]:
-    """One greedy response per prompt, as text. `lora_request`: the engine's adapter (model.lora), else None."""
+def greedy_texts(llm, prompts: list[Prompt], max_tokens: int, lora_request: Any = None,
+                 cache_salt: str | None = None) -> list[str]:
+    """One greedy response per prompt, as text. `lora_request`: the engine's adapter (model.lora), else None;
+    `cache_salt`: the prefix cache's salt for the loaded weights (actors/prefix_cache.py), else None."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    outs = llm.generate([{"prompt_token_ids": p.prompt_token_ids} for p in prompts], params, use_tqdm=False,
-                        lora_request=lora_request)
+    outs = llm.generate(salted([{"prompt_token_ids": p.prompt_token_ids} for p in prompts], cache_salt), params,
+                        use_tqdm=False, lora_request=lora_request)
     return [o.outputs[0].text for o in outs]
 
 
 def sample_responses(llm, prompts: list[Prompt], n: int, temperature: float, top_p: float, seed: int,
-                     max_tokens: int, lora_request: Any = None) -> list[list[dict]]:
+                     max_tokens: int, lora_request: Any = None, cache_salt: str | None = None) -> list[list[dict]]:
     """`n` responses per prompt (temperature 0 is greedy). Each prompt's sampling is seeded from `seed` and its
     prompt id. Per prompt, per response: text, tokens, finish_reason."""
     from vllm import SamplingParams
@@ -43,8 +46,8 @@ def sample_responses(llm, prompts: list[Prompt], n: int, temperature: float, top
                              max_tokens=max_tokens,
                              seed=zlib.crc32(f"eval/{seed}/{p.prompt_id}".encode()) & 0x7FFFFFFF)
               for p in prompts]
-    outs = llm.generate([{"prompt_token_ids": p.prompt_token_ids} for p in prompts], params, use_tqdm=False,
-                        lora_request=lora_request)
+    outs = llm.generate(salted([{"prompt_token_ids": p.prompt_token_ids} for p in prompts], cache_salt), params,
+                        use_tqdm=False, lora_request=lora_request)
     return [[{"text": o.text, "tokens": len(o.token_ids),
               "finish_reason": "length" if o.finish_reason == "length" else "stop"} for o in out.outputs]
             for out in outs]
@@ -80,13 +83,13 @@ def response_row(trajectory: Trajectory) -> dict:
 
 
 def sequence_logprobs(llm, prompt_ids: list[list[int]], response_ids: list[list[int]],
-                      lora_request: Any = None) -> list[list[float]]:
+                      lora_request: Any = None, cache_salt: str | None = None) -> list[list[float]]:
     """log p(response token) under the engine's current weights at temperature 1 (prompt log-probs are computed
     from raw logits)."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=0)
-    inputs = [{"prompt_token_ids": p + r} for p, r in zip(prompt_ids, response_ids)]
+    inputs = salted([{"prompt_token_ids": p + r} for p, r in zip(prompt_ids, response_ids)], cache_salt)
     outs = llm.generate(inputs, params, use_tqdm=False, lora_request=lora_request)
     result = []
     for out, p, r in zip(outs, prompt_ids, response_ids):

@@ -19,6 +19,7 @@ from actors import eval_generation
 from actors.agent_loop import AgentLoop
 from actors.decode_loop import DecodeLoop, SampleInFlight, finish_every_request
 from actors.lora_adapter import AdapterRequests, EngineAdapter, lora_engine_args
+from actors.prefix_cache import SaltedRequests, cache_salt
 from actors.score_router import ScoreRouter
 from actors.vllm_weights import load_checkpoint_weights, tensor_parallel_engine_args
 from actors.weight_probe_requests import ProbingEngine
@@ -78,8 +79,8 @@ class RolloutWorker:
                 max_num_seqs=cfg.rollout.max_num_seqs,
                 **cpu_step_budget(cfg, max_len, self.on_gpu),
                 enforce_eager=cfg.rollout.enforce_eager,
-                # KV computed under old weights must not be reused for new requests after a weight update.
-                enable_prefix_caching=False,
+                # salted per weight version (actors/prefix_cache.py): KV of older weights is never reused
+                enable_prefix_caching=cfg.rollout.prefix_caching,
                 # Behavior log-probs of the distribution actually sampled (after temperature), as the ratio needs.
                 logprobs_mode="processed_logprobs",
                 trust_remote_code=cfg.model.trust_remote_code,
@@ -104,6 +105,10 @@ class RolloutWorker:
         if cfg.model.lora.enabled:
             self.adapter = EngineAdapter(self.llm, cfg.model.lora, model_path, worker_id, cfg.model.trust_remote_code)
             requests = AdapterRequests(self.engine, self.adapter)
+        self.prefix_cache: SaltedRequests | None = None
+        """rollout.prefix_caching: every request salted with the loaded weights' version, and the cache's counts."""
+        if cfg.rollout.prefix_caching:
+            requests = self.prefix_cache = SaltedRequests(requests, lambda: self.version)
         self.requests = requests
         self.probing: ProbingEngine | None = None
         """The weight-sync check's probe, scored in the engine after each checked version (weight_sync.verify_every)."""
@@ -127,6 +132,8 @@ class RolloutWorker:
             from gateway.service import GatewayService
 
             self.gateway = GatewayService(cfg, self.tokenizer, worker_id, self._call_params)
+            # an episode's calls older than train.max_staleness allows are cut from its samples at a call boundary
+            self.gateway.book.min_version = lambda: self.version - cfg.train.max_staleness
         self.router = ScoreRouter(reward_workers or [], scorers or {}, critic_workers or [],
                                   cfg.fault.max_rescore_attempts, cfg.fault.batch_timeout_s)
         """Where each finished group goes to be scored: a reward worker, one worker of every token-scoring role
@@ -306,6 +313,7 @@ class RolloutWorker:
         return {**stats, "wall_s": wall, "sync_s": self.sync_seconds, "version": self.version,
                 "versions_seen": list(self.policy.versions_seen), **self.router.counts,
                 "weight_probes": self.weight_probes(),
+                **(self.prefix_cache.counts if self.prefix_cache is not None else {}),
                 **({"tools": self.agent.report()} if self.agent is not None else {}),
                 **({"gateway": self.gateway.report()} if self.gateway is not None else {})}
 
@@ -315,7 +323,7 @@ class RolloutWorker:
         if self.agent is not None:
             return [samples[0].final_text for samples in self._agent_responses(prompts, 1, 0.0, 1.0, 0)]
         return eval_generation.greedy_texts(self.llm, prompts, self.cfg.rollout.max_response_tokens,
-                                            self._lora_request())
+                                            self._lora_request(), self._cache_salt())
 
     def generate_eval(self, prompts: list[Prompt], n: int, temperature: float, top_p: float,
                       seed: int) -> list[list[dict]]:
@@ -325,7 +333,8 @@ class RolloutWorker:
             return [[eval_generation.response_row(t) for t in samples]
                     for samples in self._agent_responses(prompts, n, temperature, top_p, seed)]
         return eval_generation.sample_responses(self.llm, prompts, n, temperature, top_p, seed,
-                                                self.cfg.rollout.max_response_tokens, self._lora_request())
+                                                self.cfg.rollout.max_response_tokens, self._lora_request(),
+                                                self._cache_salt())
 
     def _agent_responses(self, prompts: list[Prompt], n: int, temperature: float, top_p: float, seed: int) -> list:
         # an agent loop of its own, so evaluation's tool calls stay out of the training run's counters
@@ -338,11 +347,16 @@ class RolloutWorker:
 
     def sequence_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
         """log p(response token) under the engine's current weights, for checking that a weight sync is exact."""
-        return eval_generation.sequence_logprobs(self.llm, prompt_ids, response_ids, self._lora_request())
+        return eval_generation.sequence_logprobs(self.llm, prompt_ids, response_ids, self._lora_request(),
+                                                 self._cache_salt())
 
     def _lora_request(self):
         """The LoRARequest of the adapter this engine holds (None without LoRA), for `LLM.generate`."""
         return self.adapter.request if self.adapter is not None else None
+
+    def _cache_salt(self) -> str | None:
+        """The prefix cache's salt for `LLM.generate` under the loaded weights (None: the cache is off)."""
+        return cache_salt(self.version) if self.prefix_cache is not None else None
 
     @property
     def version(self) -> int:

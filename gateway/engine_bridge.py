@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from actors.decode_loop import DecodeLoop
+from actors.prefix_cache import GATEWAY_PREFIX
 from protocols.trajectory import Trajectory
 
 
@@ -52,7 +53,7 @@ class CallInbox:
         """A future of the call's CallResult (or CallAborted); thread-safe."""
         with self._lock:
             self._count += 1
-            call_id = f"gateway-call/{self._count}"
+            call_id = f"{GATEWAY_PREFIX}{self._count}"
         future: Future = Future()
         self._new.put((call_id, list(prompt_ids), max_tokens, future))
         return future

@@ -7,7 +7,12 @@ is that call's sampled ids, then for each later call the tokens the endpoint ins
 0, version -1, no loss) and that call's sampled ids. So an episode whose calls extend each other is ONE sample;
 a split gives one sample per segment, sharing the reward; where two leaves share calls (a branch), the shared
 calls train in the first leaf only and are prompt in the second. A retried call that nothing extended (the client
-never used its reply) is an orphan: dropped and counted, so a retry never trains twice."""
+never used its reply) is an orphan: dropped and counted, so a retry never trains twice.
+
+An episode that ran over several weight versions may start with calls too stale to train (`min_version`: the
+oldest version train.max_staleness still admits): the sample is cut at a call boundary, so its first trained call
+is the first one whose sampled tokens are all recent enough, and the calls before it become prompt, exactly as
+the engine saw them. Counted as `staleness_cuts` (calls cut)."""
 
 from collections import Counter
 from typing import Any
@@ -34,9 +39,11 @@ def orphans(calls: list[CallRecord]) -> set[int]:
 
 def episode_samples(calls: list[CallRecord], episode_id: str, group_id: str, reward: float,
                     info: dict[str, Any] | None = None, first_index: int = 0, worker_id: int = 0,
-                    tokenizer: Any = None, correct: bool = False) -> tuple[list[Trajectory], Counter]:
+                    tokenizer: Any = None, correct: bool = False,
+                    min_version: int | None = None) -> tuple[list[Trajectory], Counter]:
     """The samples of an episode, in the order of their leaves, with `sample_index` from `first_index`, and the
-    counts: samples, retry_orphans. `tokenizer` (optional) decodes each sample's text for logs."""
+    counts: samples, retry_orphans, staleness_cuts. `tokenizer` (optional) decodes each sample's text for logs;
+    `min_version` (optional) cuts each sample after its calls that sampled a token older than it."""
     dropped = orphans(calls)
     live = [c for c in calls if c.index not in dropped]
     by_index = {c.index: c for c in live}
@@ -44,16 +51,24 @@ def episode_samples(calls: list[CallRecord], episode_id: str, group_id: str, rew
     leaves = [c for c in live if c.index not in parents]
     trained: set[int] = set()
     samples = []
+    cuts = 0
     for leaf in leaves:
         path = [leaf]
         while path[-1].plan.parent is not None:
             path.append(by_index[path[-1].plan.parent])
         path.reverse()
         first = next(k for k, c in enumerate(path) if c.index not in trained)
+        if min_version is not None:
+            # the last stale call ends the cut (the leaf itself is kept: past the bound, the queue drops it, counted)
+            stale = [k for k in range(first, len(path) - 1) if min(path[k].token_versions, default=min_version)
+                     < min_version]
+            if stale:
+                cuts += stale[-1] + 1 - first
+                first = stale[-1] + 1
         samples.append(_sample(path[first:], episode_id, group_id, first_index + len(samples), reward, info or {},
                                worker_id, tokenizer, correct))
         trained |= {c.index for c in path}
-    return samples, Counter({"samples": len(samples), "retry_orphans": len(dropped)})
+    return samples, Counter({"samples": len(samples), "retry_orphans": len(dropped), "staleness_cuts": cuts})
 
 
 def _sample(path: list[CallRecord], episode_id: str, group_id: str, index: int, reward: float,

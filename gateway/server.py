@@ -128,7 +128,8 @@ def build_app(book: SessionBook, inbox: CallInbox, settings: ServeSettings, base
         book.check_open(session)
         body = await _json_body(request)
         call, tools_on = _chat_call(body)
-        return await serve(session, body, call, tools_on and settings.tool_parser == "hermes", chat=True)
+        return await serve(session, body, call, tools_on and settings.tool_parser == "hermes", chat=True,
+                           request=request)
 
     async def completion(session_id: str | None, request: Request):
         session = book.get(session_id, _bearer(request))
@@ -142,7 +143,7 @@ def build_app(book: SessionBook, inbox: CallInbox, settings: ServeSettings, base
             ids = prompt
         else:
             raise SessionError(400, "prompt must be a string or a non-empty list of token ids (one prompt per call)")
-        return await serve(session, body, ChatCall([], prompt_ids=tuple(ids)), False, chat=False)
+        return await serve(session, body, ChatCall([], prompt_ids=tuple(ids)), False, chat=False, request=request)
 
     app.post("/sessions/{session_id}/v1/chat/completions")(chat)
     app.post("/sessions/{session_id}/v1/completions")(completion)
@@ -155,7 +156,7 @@ def build_app(book: SessionBook, inbox: CallInbox, settings: ServeSettings, base
     async def key_completion(request: Request):
         return await completion(None, request)
 
-    async def serve(session: Session, body: dict, call: ChatCall, tools_on: bool, chat: bool):
+    async def serve(session: Session, body: dict, call: ChatCall, tools_on: bool, chat: bool, request: Request):
         if inbox.in_flight >= settings.max_calls_in_flight:
             book.counts["calls_refused"] += 1
             raise SessionError(429, f"{settings.max_calls_in_flight} calls are in flight on this engine "
@@ -185,6 +186,9 @@ def build_app(book: SessionBook, inbox: CallInbox, settings: ServeSettings, base
             raise
         finally:
             session.calls_in_flight -= 1
+        if await request.is_disconnected():  # the client left while its call ran: the reply reaches no one
+            book.lose_call(session)
+            raise SessionError(499, "the client disconnected before its reply; the session will not be trained")
         calls_made[0] += 1
         text = tokenizer.decode(result.sampled_ids, skip_special_tokens=True)
         reply = parse_hermes(text, f"call_{session.session_id}_{calls_made[0]}") if tools_on else None

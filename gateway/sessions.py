@@ -18,7 +18,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from gateway.chat_render import ChatRenderer
 from gateway.episode import SPLIT_REASONS, Episode, HistoryMode
@@ -31,11 +31,12 @@ KEEP_FINISHED_S = 600.0
 """A finished session is remembered this long (a late call or reward is answered 410, not 404), then forgotten."""
 COUNTER_NAMES = ("sessions", "sessions_rewarded", "sessions_no_reward", "sessions_lost", "calls", "calls_refused",
                  "calls_lost", "tool_parse_failures", "clamped_max_tokens", "ignored_sampling", "samples",
-                 "retries", "retry_orphans", "groups", "groups_wrong_size", *(f"splits_{r}" for r in SPLIT_REASONS))
+                 "retries", "retry_orphans", "staleness_cuts", "groups", "groups_wrong_size", *(f"splits_{r}" for r in SPLIT_REASONS))
 """`counts` keys, all present from the start: sessions opened, trained, finished without reward, lost; calls
 served, refused (429), lost; replies whose tool calls did not parse; requests whose max_tokens was lowered or whose
 temperature/top_p/n/stop were overridden by the run's; samples and groups handed to training; retried calls and
-the orphans dropped; groups trained and groups dropped for their size; new segments by reason."""
+the orphans dropped; calls cut from samples as too stale; groups trained and groups dropped for their size; new
+segments by reason."""
 
 
 class SessionError(Exception):
@@ -92,6 +93,9 @@ class SessionBook:
         self.finished_groups: queue.SimpleQueue = queue.SimpleQueue()
         """TrajectoryGroups ready for training; the rollout worker takes them (`take_groups`)."""
         self.counts: Counter = Counter({name: 0 for name in COUNTER_NAMES})
+        self.min_version: Callable[[], int] | None = None
+        """The oldest weight version a token may have been sampled with and still train (the rollout worker's
+        version minus train.max_staleness): samples are cut after older calls (episode_samples). None: no cut."""
 
     @property
     def open_sessions(self) -> int:
@@ -206,7 +210,8 @@ class SessionBook:
                   "token_versions": c.token_versions, "finish_reason": c.finish_reason, "reply": c.reply}
                  for c in session.episode.calls]
         samples, counts = episode_samples(session.episode.calls, f"session/{session.session_id}",
-                                          session.group.group_id, session.reward or 0.0)
+                                          session.group.group_id, session.reward or 0.0,
+                                          min_version=self.min_version() if self.min_version is not None else None)
         return {"session_id": session.session_id, "group_id": session.group.group_id, "reward": session.reward,
                 "info": session.info, "trained": session.reward is not None and not session.lost,
                 "lost": session.lost, "counts": {**session.episode.counts, **counts}, "calls": calls,
@@ -227,9 +232,11 @@ class SessionBook:
                 continue
             samples, counts = episode_samples(
                 s.episode.calls, f"session/{s.session_id}", group.group_id, s.reward, s.info,
-                first_index=len(trajectories), worker_id=self.worker_id, correct=bool(s.info.get("correct", False)))
+                first_index=len(trajectories), worker_id=self.worker_id, correct=bool(s.info.get("correct", False)),
+                min_version=self.min_version() if self.min_version is not None else None)
             trajectories += samples
             self.counts["retry_orphans"] += counts["retry_orphans"]
+            self.counts["staleness_cuts"] += counts["staleness_cuts"]
         if trajectories and len(trajectories) != self.train_group_size:
             self.counts["groups_wrong_size"] += 1
         elif trajectories:

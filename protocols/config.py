@@ -56,6 +56,12 @@ class RolloutConfig(BaseModel):
     max_num_seqs: int = Field(256, ge=1)
     """Sequences one engine decodes at once."""
 
+    prefix_caching: bool = True
+    """vLLM's prefix cache, salted per weight version (actors/prefix_cache.py): a request skips the prefill of
+    the whole KV blocks an earlier request under the same weights computed (a group's samples share their prompt, a
+    session's calls its history); KV from older weights is never reused. `rollout/prefix_cache_hit_rate` says
+    what it saves. Off: every request prefills its whole prompt."""
+
     autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
     """Grow and shrink the pool from what the run measures (cluster/autoscaler.py); off by default."""
 

@@ -161,11 +161,17 @@ def rollout_metrics(reports: Iterable[Mapping[str, float]]) -> dict[str, float]:
                             for r in reports)
     if not total:
         return {}
-    return {
+    out = {
         "rollout/idle_frac": total["idle_s"] / max(total["wall_s"], 1e-9),
         "rollout/tokens_per_s": total["tokens"] / max(total["generate_s"], 1e-9),
         "rollout/sync_s_total": total["sync_s"],
     }
+    cached = [r for r in reports if "prefill_tokens" in r]  # rollout.prefix_caching (actors/prefix_cache.py)
+    if cached:
+        prefill, saved = sum(r["prefill_tokens"] for r in cached), sum(r["cached_tokens"] for r in cached)
+        out["rollout/prefix_cache_hit_rate"] = saved / max(prefill, 1)
+        out["rollout/prefill_tokens_saved"] = float(saved)
+    return out
 
 
 def gateway_metrics(reports: Iterable[Mapping]) -> dict[str, float]:
@@ -181,6 +187,11 @@ def gateway_metrics(reports: Iterable[Mapping]) -> dict[str, float]:
     out["gateway/calls_per_session"] = total.get("calls", 0.0) / max(total.get("sessions", 0.0), 1.0)
     out["gateway/samples_per_rewarded_session"] = (total.get("samples", 0.0)
                                                    / max(total.get("sessions_rewarded", 0.0), 1.0))
+    cached = [r for r in reports if isinstance(r.get("gateway"), Mapping) and "gateway_cached_tokens" in r]
+    if cached:  # rollout.prefix_caching: the prefill a session's later calls did not repeat
+        saved = sum(r["gateway_cached_tokens"] for r in cached)
+        out["gateway/prefill_tokens_saved_per_session"] = saved / max(total.get("sessions", 0.0), 1.0)
+        out["gateway/prefix_cache_hit_rate"] = saved / max(sum(r["gateway_prefill_tokens"] for r in cached), 1)
     return out
 
 

@@ -109,6 +109,23 @@ def test_an_episode_whose_calls_extend_each_other_is_one_sample_of_the_engine_lo
     assert [s.kind for s in t.segments] == ["model", "context", "model", "context", "model"]
 
 
+def test_calls_older_than_the_staleness_bound_are_cut_at_a_call_boundary(tok):
+    # versions of the calls' tokens: 3, 4, 4. Oldest version still trained 4 (e.g. the worker at version 6 with
+    # train.max_staleness 2): call 1 is cut; the sample starts at call 2, whose prompt holds call 1 exactly as the
+    # engine saw and sampled it
+    episode, (p1, p2, p3), (s1, s2, s3) = three_call_episode(tok)
+    (t,), counts = episode_samples(episode.calls, "ep", "g", reward=1.0, min_version=4)
+    assert counts["staleness_cuts"] == 1 and t.prompt.metadata["calls"] == [1, 2]
+    assert t.prompt.prompt_token_ids == p2.prompt_ids and p2.prompt_ids + t.response_token_ids == p3.prompt_ids + s3
+    d2 = len(p3.prompt_ids) - len(p2.prompt_ids) - len(s2)
+    assert t.loss_mask == [True] * len(s2) + [False] * d2 + [True] * len(s3)
+    assert t.min_version == 4  # staleness now counts from call 2's tokens
+    # within the bound nothing is cut; past it even for the last call, the last call stays (the queue drops it)
+    assert episode_samples(episode.calls, "ep", "g", 1.0, min_version=3)[1]["staleness_cuts"] == 0
+    (last,), counts = episode_samples(episode.calls, "ep", "g", 1.0, min_version=9)
+    assert counts["staleness_cuts"] == 2 and last.prompt.prompt_token_ids == p3.prompt_ids and last.response_token_ids == s3
+
+
 def test_render_mode_splits_where_the_template_re_tokenizes_the_reply(tok):
     # the template renders call 1's reply as `\nab \n<tool_call>` with `ab` one token: not what the engine sampled
     episode, (p1, p2, p3), _ = three_call_episode(tok, history="render")

@@ -295,3 +295,71 @@ def test_a_weight_update_mid_call_stamps_the_later_tokens_and_the_client_sees_no
     v = VERSION[0]
     assert versions == [v - 1] * 3 + [v] * (len(versions) - 3)
     assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_sessions_later_calls_reuse_its_prefill_and_new_weights_reuse_nothing(endpoint):
+    """rollout.prefix_caching (on by default): the second call of a session extends the first, so its prompt's
+    whole KV blocks (vLLM's CPU blocks hold 128 tokens) come from the cache; under another weight version (another
+    salt) the same prompt is prefilled again."""
+    worker, loop, recording, path = endpoint
+    url, cache = worker.gateway.url, worker.prefix_cache
+    # a system turn of 200 one-digit tokens: the prompt spans at least one whole block
+    messages = [{"role": "system", "content": " ".join("7" * 200)}, {"role": "user", "content": "12*3?"}]
+
+    def call(session: dict, history: list[dict]) -> tuple[object, list[int], list[int], int, int]:
+        """The reply; the engine's prompt and sampled ids; the prompt tokens counted and those the cache served."""
+        before = (cache.counts["gateway_prefill_tokens"], cache.counts["gateway_cached_tokens"], len(recording.log))
+        reply = openai.OpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0) \
+            .chat.completions.create(model="any", messages=history, max_tokens=4)
+        [(prompt, sampled)] = recording.log[before[2]:]
+        return (reply, prompt, sampled, cache.counts["gateway_prefill_tokens"] - before[0],
+                cache.counts["gateway_cached_tokens"] - before[1])
+
+    s = new_session(url)
+    first, p1, s1, prefill, cached = call(s, messages)
+    assert prefill == len(p1) >= 128 and cached == 0
+    history = messages + [echo(first.choices[0].message), {"role": "user", "content": "sure?"}]
+    _, p2, _, prefill, cached = call(s, history)
+    # the second prompt starts as the first call's ids did (the whole prompt here): every whole block of that
+    # shared start is served from the cache
+    first_ids = p1 + s1
+    shared = next((i for i, (a, b) in enumerate(zip(p2, first_ids)) if a != b), min(len(p2), len(first_ids)))
+    assert shared >= len(p1) and prefill == len(p2)
+    assert cached == shared // 128 * 128 >= 384, (cached, shared)
+    # the weights change: a new salt, so the same history shares nothing with the blocks of the old weights
+    version = cache.version
+    cache.version = lambda: version() + 1
+    try:
+        _, p3, _, prefill, cached = call(new_session(url), history)
+    finally:
+        cache.version = version
+    # (a new session renders the history from its text: at least the first call's prompt is shared with p2, 3
+    # whole blocks the old salt's cache holds)
+    assert p3[:len(p1)] == p1 and prefill == len(p3) and cached == 0
+    httpx.post(f"{url}/sessions/{s['session_id']}/finish", headers={"Authorization": f"Bearer {s['api_key']}"})
+
+
+def test_a_client_that_leaves_loses_its_call_and_its_session_is_not_trained(endpoint):
+    """A client that gives up while its call waits in the engine: the call, served to no one, is counted lost,
+    and the session (rewarded anyway) is finished lost and not trained."""
+    worker, loop, *_ = endpoint
+    url, book = worker.gateway.url, worker.gateway.book
+    before = (book.counts["calls_lost"], book.counts["sessions_lost"], book.counts["calls"])
+    gone = new_session(url, group="left", group_size=1)
+    chat = f"{url}/sessions/{gone['session_id']}/v1/chat/completions"
+    auth = {"Authorization": f"Bearer {gone['api_key']}"}
+    loop.pause()  # the call waits in the inbox while the client's read timeout passes
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(chat, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, headers=auth,
+                   timeout=httpx.Timeout(10.0, read=0.5))
+    loop.resume()
+    waiting = threading.Event()
+    for _ in range(300):  # the call ends in the engine, then finds its client gone (polled up to 30 s)
+        if book.counts["calls_lost"] > before[0]:
+            break
+        waiting.wait(0.1)
+    assert book.counts["calls_lost"] == before[0] + 1 and book.counts["calls"] == before[2]  # never recorded
+    assert httpx.post(f"{url}/sessions/{gone['session_id']}/reward", json={"reward": 1.0},
+                      headers=auth).status_code == 200
+    assert book.counts["sessions_lost"] == before[1] + 1
+    assert not [g for g in worker.gateway.take_groups() if g.group_id.endswith("/left")]
