@@ -3,6 +3,8 @@ during a resize waits in the run folder, the autoscaler holds, and each result s
 meanwhile. The pool here keeps RolloutPool's begin/finish contract with no engines (the real pool's resizes run
 in tests/test_multinode.py, tests/test_reference_workers.py and tests/test_metrics.py)."""
 
+from contextlib import contextmanager
+
 from cluster.placement import Node
 from cluster.scale_requests import DriverHeartbeat, ScaleInbox, request_scale, wait_done
 from cluster.scaling import Scaling
@@ -50,12 +52,18 @@ def _scaling(pool: SlowPool, *overrides: str) -> Scaling:
     return scaling
 
 
+@contextmanager
+def running(run_dir):
+    """A run folder whose driver beats (as Trainer.run's does), and the driver's inbox."""
+    (run_dir / "config.yaml").write_text("{}\n")
+    with DriverHeartbeat(run_dir):
+        yield ScaleInbox(run_dir)
+
+
 def test_a_grow_finishes_steps_later_and_a_request_made_meanwhile_waits_for_it(tmp_path):
-    (tmp_path / "config.yaml").write_text("{}\n")
     pool = SlowPool(1, polls=3)
     scaling = _scaling(pool)
-    with DriverHeartbeat(tmp_path):
-        inbox = ScaleInbox(tmp_path)
+    with running(tmp_path) as inbox:
         request_scale(tmp_path, 3)
         scaling.after_step({}, version=5, inbox=inbox)  # the grow starts; the driver goes on
         assert pool.joining is not None and len(pool.workers) == 1
@@ -95,11 +103,9 @@ def test_the_autoscaler_holds_while_its_grow_is_under_way_and_decides_again_once
 
 
 def test_a_refused_request_is_answered_and_leaves_the_pool_settled(tmp_path):
-    (tmp_path / "config.yaml").write_text("{}\n")
     pool = SlowPool(2, polls=1)
     scaling = _scaling(pool)
-    with DriverHeartbeat(tmp_path):
-        inbox = ScaleInbox(tmp_path)
+    with running(tmp_path) as inbox:
         (tmp_path / "control" / "scale_request.json").write_text('{"id": 1, "rollout": 0}')  # hand-written
         scaling.after_step({}, version=1, inbox=inbox)
     done = wait_done(tmp_path, 1, timeout_s=0)
