@@ -177,3 +177,13 @@ def test_top_k_settings_that_cannot_run_are_refused_with_the_fix():
     with pytest.raises(ConfigError, match=r"learner.sequence_parallel_size=2"):
         load_config(None, ["algorithm.distillation.top_k=8", "algorithm.distillation.weight=0.5",
                            "learner.sequence_parallel_size=2", *TEACHER])
+
+
+def test_a_top_k_above_the_teachers_vocabulary_is_refused_before_any_actor(tiny_models):
+    from cluster.pools import TeacherPool
+
+    policy = tiny_models["untied"]
+    cfg = load_config(None, ["teacher.num_workers=1", f"teacher.path={tiny_models['tied']}",
+                             "algorithm.distillation.weight=0.5", "algorithm.distillation.top_k=1024"])
+    with pytest.raises(ValueError, match=r"algorithm.distillation.top_k=1024 exceeds the teacher's vocabulary of"):
+        TeacherPool.precheck(cfg, policy)
