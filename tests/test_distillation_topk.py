@@ -187,3 +187,26 @@ def test_a_top_k_above_the_teachers_vocabulary_is_refused_before_any_actor(tiny_
                              "algorithm.distillation.weight=0.5", "algorithm.distillation.top_k=1024"])
     with pytest.raises(ValueError, match=r"algorithm.distillation.top_k=1024 exceeds the teacher's vocabulary of"):
         TeacherPool.precheck(cfg, policy)
+
+
+def test_the_teacher_worker_ships_its_top_k_beside_the_sampled_tokens_log_probs(tiny_models):
+    # the worker class in this process (its Ray actor runs the same code): a group of 2 responses, k = 4
+    from actors.reference_worker import ReferenceWorker
+    from actors.teacher_worker import TeacherWorker
+
+    teacher = tiny_models["tied"]
+    cfg = load_config(None, ["teacher.num_workers=1", f"teacher.path={teacher}", "algorithm.distillation.weight=1",
+                             "algorithm.preset=grpo", "algorithm.distillation.top_k=4"])
+    group = TrajectoryGroup(group_id="g", trajectories=[_traj(0, 3), _traj(1, 1)])
+    scores = TeacherWorker(cfg, 0, teacher).score_group(group)
+    assert isinstance(scores, TokenScores)
+    assert [len(r) for r in scores.topk_ids] == [3, 1] and all(len(p) == 4 for r in scores.topk_ids for p in r)
+    # the sampled tokens' log-probs are the reference worker's code on the same folder
+    plain = ReferenceWorker(cfg, 0, teacher).score_group(group)
+    for got, want in zip(scores.logprobs, plain):
+        assert got == pytest.approx(want, abs=1e-5)
+    for row in scores.topk_logprobs:  # most likely first, probabilities summing to at most 1
+        for position in row:
+            assert position == sorted(position, reverse=True) and sum(math.exp(x) for x in position) <= 1 + 1e-5
+    batch = TrainingBatch.from_trajectories(group.with_token_scores("teacher", scores).trajectories)
+    assert batch.teacher_topk_ids.shape == (2, 3, 4)
