@@ -130,7 +130,7 @@ def _scoring_head(model: torch.nn.Module, flat_index: torch.Tensor, targets: tor
         h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat_index)
         lp, ent = chunked_logprobs_entropy(h, head.weight, targets, bias=head.bias, temperature=temperature,
                                            chunk_tokens=chunk_tokens)
-        out = [lp.reshape(h.shape[0], -1), ent[:, None]]
+        out = [lp.reshape(h.shape[0], targets.shape[1] if targets.dim() == 2 else 1), ent[:, None]]
         if top_k:
             ids, top_lp = chunked_topk_logprobs(h, head.weight, top_k, bias=head.bias, temperature=temperature,
                                                 chunk_tokens=chunk_tokens)

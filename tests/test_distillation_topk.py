@@ -210,3 +210,14 @@ def test_the_teacher_worker_ships_its_top_k_beside_the_sampled_tokens_log_probs(
             assert position == sorted(position, reverse=True) and sum(math.exp(x) for x in position) <= 1 + 1e-5
     batch = TrainingBatch.from_trajectories(group.with_token_scores("teacher", scores).trajectories)
     assert batch.teacher_topk_ids.shape == (2, 3, 4)
+
+
+@pytest.mark.parametrize("chunk", [0, 3])
+def test_a_micro_batch_without_response_tokens_scores_to_empty_tensors(chunk):
+    # an empty response (an aborted sample) leaves no position to score: (1, 1) and (1, 1, k) zeros, no error
+    model = tiny_model(tied=False)
+    batch = collate(TrainingBatch.from_samples([[1, 2]], [[]]), pad_id=0)
+    lp, _, at = score_responses_at(model, batch, 1.0, chunk, torch.zeros(1, 1, 2, dtype=torch.long))
+    assert lp.shape == (1, 1) and at.shape == (1, 1, 2) and float(at.detach().abs().sum()) == 0.0
+    _, ids, top = score_responses_topk(model, batch, 1.0, chunk, 2)
+    assert ids.shape == (1, 1, 2) and top.shape == (1, 1, 2)
