@@ -10,6 +10,7 @@ other, with the same seed, steps and held-out evaluations every `--eval-every` s
     mix      half of each (weight 0.5)
     distill_topk  the forward KL from the teacher's top 8 tokens at every position (of the demo's 15; weight 1,
              algorithm.distillation.top_k=8) in place of the sampled-token advantage
+    mix_topk half of the top-k loss, half of the verifier's advantage (weight 0.5, top_k=8)
 
 It prints and writes (`--out`: results.json, table.md, distillation.png) held-out accuracy against steps and
 against training seconds, the steps and seconds each mode takes to reach the RL run's final accuracy, and the
@@ -44,6 +45,8 @@ MODES = {
     "mix": ["algorithm.dynamic_sampling=false", "algorithm.distillation.weight=0.5"],
     "distill_topk": ["algorithm.dynamic_sampling=false", "algorithm.distillation.weight=1",
                      "algorithm.distillation.top_k=8"],
+    "mix_topk": ["algorithm.dynamic_sampling=false", "algorithm.distillation.weight=0.5",
+                 "algorithm.distillation.top_k=8"],
 }
 """Overrides of each mode over the shipped demo job. Dynamic sampling is off when the teacher trains: a group whose
 rewards are all equal still carries the teacher's per-token signal."""
