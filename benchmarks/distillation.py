@@ -11,6 +11,8 @@ other, with the same seed, steps and held-out evaluations every `--eval-every` s
     distill_topk  the forward KL from the teacher's top 8 tokens at every position (of the demo's 15; weight 1,
              algorithm.distillation.top_k=8) in place of the sampled-token advantage
     mix_topk half of the top-k loss, half of the verifier's advantage (weight 0.5, top_k=8)
+    distill_topk_64x2  distill_topk on 64 prompts x 2 samples a step instead of 16 x 8 (the same 128 samples:
+             distillation needs no group baseline, so the positions may come from more prompts)
 
 It prints and writes (`--out`: results.json, table.md, distillation.png) held-out accuracy against steps and
 against training seconds, the steps and seconds each mode takes to reach the RL run's final accuracy, and the
@@ -47,6 +49,9 @@ MODES = {
                      "algorithm.distillation.top_k=8"],
     "mix_topk": ["algorithm.dynamic_sampling=false", "algorithm.distillation.weight=0.5",
                  "algorithm.distillation.top_k=8"],
+    "distill_topk_64x2": ["algorithm.dynamic_sampling=false", "algorithm.distillation.weight=1",
+                          "algorithm.distillation.top_k=8", "learner.prompts_per_step=64",
+                          "rollout.samples_per_prompt=2"],
 }
 """Overrides of each mode over the shipped demo job. Dynamic sampling is off when the teacher trains: a group whose
 rewards are all equal still carries the teacher's per-token signal."""
