@@ -154,8 +154,9 @@ def test_policy_loss_adds_the_weighted_top_k_kl_aggregated_like_the_policy_loss(
     full = torch.log_softmax(z, dim=-1)
     ids = torch.tensor([[0, 1]]).expand(2, 2, 2)
     lp = full[..., 2]
+    teacher = torch.tensor([LOG(0.5), LOG(0.25)]).expand(2, 2, 2)
     inputs = PolicyLossInputs(behavior_logprobs=lp.detach(), advantages=torch.zeros(2, 2), loss_mask=mask,
-                              proximal_logprobs=lp.detach(), teacher_topk_logprobs=torch.tensor([LOG(0.5), LOG(0.25)]).expand(2, 2, 2),
+                              proximal_logprobs=lp.detach(), teacher_topk_logprobs=teacher,
                               topk_logprobs=full.gather(-1, ids))
     loss, metrics = compute_policy_loss(lp, inputs, cfg, count_normalizer(mask, 2))
     assert math.isclose(float(loss.detach()), 2 / 3 * LOG(2), rel_tol=1e-5)
@@ -165,8 +166,9 @@ def test_policy_loss_adds_the_weighted_top_k_kl_aggregated_like_the_policy_loss(
     torch.testing.assert_close(z.grad[0, 0], torch.tensor([-1 / 6, 0.0, 1 / 6]))
     torch.testing.assert_close(z.grad[1], torch.zeros(2, 3))
     with pytest.raises(ValueError, match=r"algorithm.distillation.top_k=2 needs PolicyLossInputs"):
-        compute_policy_loss(lp.detach(), PolicyLossInputs(behavior_logprobs=lp.detach(), advantages=torch.zeros(2, 2),
-                                                          loss_mask=mask, proximal_logprobs=lp.detach()), cfg, count_normalizer(mask, 2))
+        without = PolicyLossInputs(behavior_logprobs=lp.detach(), advantages=torch.zeros(2, 2), loss_mask=mask,
+                                   proximal_logprobs=lp.detach())
+        compute_policy_loss(lp.detach(), without, cfg, count_normalizer(mask, 2))
 
 
 def test_top_k_settings_that_cannot_run_are_refused_with_the_fix():
