@@ -22,7 +22,8 @@ train-tools-no-tools: install
 	$(VENV)/bin/relayrl train --config deploy/configs/demo_tools_no_tools.yaml $(ARGS)
 
 # On-policy distillation (docs/distillation.md): a larger teacher, then RL, distillation and the mix from the same
-# student on the addition demo, one job after the other; writes runs/distill/{table.md,results.json,distillation.png}.
+# student on the addition demo, with the teacher's sampled token and with its top-k (six jobs, one after the other;
+# ARGS="--modes rl,distill_topk_64x2" for two); writes runs/distill/{table.md,results.json,distillation.png}.
 train-distill: install
 	$(VENV)/bin/python benchmarks/distillation.py --out runs/distill $(ARGS)
 

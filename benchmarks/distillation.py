@@ -8,6 +8,11 @@ other, with the same seed, steps and held-out evaluations every `--eval-every` s
     rl       the shipped `make train` job (DAPO: verifier reward only)
     distill  the teacher's per-token reverse-KL advantage only (algorithm.distillation.weight=1)
     mix      half of each (weight 0.5)
+    distill_topk  the forward KL from the teacher's top 8 tokens at every position (of the demo's 15; weight 1,
+             algorithm.distillation.top_k=8) in place of the sampled-token advantage
+    mix_topk half of the top-k loss, half of the verifier's advantage (weight 0.5, top_k=8)
+    distill_topk_64x2  distill_topk on 64 prompts x 2 samples a step instead of 16 x 8 (the same 128 samples:
+             distillation needs no group baseline, so the positions may come from more prompts)
 
 It prints and writes (`--out`: results.json, table.md, distillation.png) held-out accuracy against steps and
 against training seconds, the steps and seconds each mode takes to reach the RL run's final accuracy, and the
@@ -40,6 +45,13 @@ MODES = {
     "rl": [],
     "distill": ["algorithm.dynamic_sampling=false", "algorithm.distillation.weight=1"],
     "mix": ["algorithm.dynamic_sampling=false", "algorithm.distillation.weight=0.5"],
+    "distill_topk": ["algorithm.dynamic_sampling=false", "algorithm.distillation.weight=1",
+                     "algorithm.distillation.top_k=8"],
+    "mix_topk": ["algorithm.dynamic_sampling=false", "algorithm.distillation.weight=0.5",
+                 "algorithm.distillation.top_k=8"],
+    "distill_topk_64x2": ["algorithm.dynamic_sampling=false", "algorithm.distillation.weight=1",
+                          "algorithm.distillation.top_k=8", "learner.prompts_per_step=64",
+                          "rollout.samples_per_prompt=2"],
 }
 """Overrides of each mode over the shipped demo job. Dynamic sampling is off when the teacher trains: a group whose
 rewards are all equal still carries the teacher's per-token signal."""
@@ -143,7 +155,9 @@ def main() -> None:
         reach = first_reaching(points, rl_final) if rl_final is not None else None
         results["modes"][mode] = {"before": points[0][2], "after": points[-1][2], "train_s": points[-1][1],
                                   "reach_rl_final": reach,
-                                  "teacher_kl_last": jobs[mode]["rows"][-1].get("teacher/reverse_kl_mean")}
+                                  "teacher_kl_last": jobs[mode]["rows"][-1].get("teacher/reverse_kl_mean"),
+                                  "topk_kl_last": jobs[mode]["rows"][-1].get("teacher/topk_kl"),
+                                  "topk_mass_last": jobs[mode]["rows"][-1].get("teacher/topk_mass")}
         lines.append(f"| {mode} | {points[0][2]:.3f} | {points[-1][2]:.3f} | {points[-1][1]:.1f} | "
                      f"{reach[0] if reach else '-'} | {f'{reach[1]:.1f}' if reach else '-'} |")
     lines.append(f"\nTeacher held-out accuracy: {teacher_accuracy:.3f}")

@@ -6,6 +6,9 @@ the reward and reference workers below) added to ROLES, plus its config section 
 (cluster/placement.py). A role whose config asks for no workers has an empty pool.
 """
 
+import json
+from pathlib import Path
+
 from actors.reference_worker import ReferenceWorker
 from actors.reward_worker import RewardWorker
 from actors.teacher_worker import TeacherWorker
@@ -84,6 +87,12 @@ class TeacherPool(TokenScoringPool):
                                   cfg.model.trust_remote_code,
                                   fix="distill from a teacher built on the student's tokenizer (same token -> id map, "
                                       "special tokens and vocab_size)")
+            top_k = cfg.algorithm.distillation.top_k
+            vocab = json.loads((Path(cfg.teacher.path) / "config.json").read_text()).get("vocab_size")
+            if top_k and vocab is not None and top_k > vocab:
+                raise ValueError(f"algorithm.distillation.top_k={top_k} exceeds the teacher's vocabulary of {vocab} "
+                                 f"tokens (teacher.path={cfg.teacher.path!r}): set algorithm.distillation.top_k="
+                                 f"{vocab} or less")
 
     def actor_args(self, index: int) -> tuple:
         return self.cfg, index, self.cfg.teacher.path

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from learner.kl import entropy_from_logits
-from learner.logprobs import chunked_logprobs_entropy
+from learner.logprobs import chunked_logprobs_entropy, chunked_topk_logprobs
 from protocols.training_batch import TrainingBatch
 
 
@@ -117,19 +117,26 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tenso
 
 @contextmanager
 def _scoring_head(model: torch.nn.Module, flat_index: torch.Tensor, targets: torch.Tensor, temperature: float,
-                  chunk_tokens: int):
+                  chunk_tokens: int, top_k: int = 0):
     """Route the model's LM head through chunked_logprobs_entropy for one forward pass.
 
     The head module is still *called* by the model, so DeepSpeed ZeRO-3's module hooks gather its partitioned
     weight for the forward and again for the backward (reading `.weight` outside the call would see an empty
-    shard). The head then returns (N, 2) [log-prob, entropy] in place of logits."""
+    shard). The head then returns (N, m + 1) [log-probs of the m targets a position, entropy] in place of logits;
+    with `top_k` > 0 (no grad) it returns (N, 2 + 2k) [log-prob, entropy, k ids as floats, their log-probs]."""
     head = getattr(model, "module", model).get_output_embeddings()
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat_index)
         lp, ent = chunked_logprobs_entropy(h, head.weight, targets, bias=head.bias, temperature=temperature,
                                            chunk_tokens=chunk_tokens)
-        return torch.stack([lp, ent], dim=-1)
+        out = [lp.reshape(h.shape[0], targets.shape[1] if targets.dim() == 2 else 1), ent[:, None]]
+        if top_k:
+            ids, top_lp = chunked_topk_logprobs(h, head.weight, top_k, bias=head.bias, temperature=temperature,
+                                                chunk_tokens=chunk_tokens)
+            out += [ids.double(), top_lp.double()]  # float64 holds any vocabulary's ids exactly
+            out = [x.double() for x in out]
+        return torch.cat(out, dim=-1)
 
     head.forward = forward
     try:
@@ -143,20 +150,66 @@ def score_responses(model: torch.nn.Module, batch: SampleBatch, temperature: flo
     """(logprobs (B, T), entropy (B, T)) fp32 of each response token under `model` at `temperature`, 0 where
     score_mask is False; both carry grad when the model does. chunk_tokens > 0 scores through the LM head in
     chunks of that many positions (no (B, T, V) tensor); 0 materializes the logits (the original path)."""
+    logprobs, entropy, _ = score_responses_at(model, batch, temperature, chunk_tokens)
+    return logprobs, entropy
+
+
+def _forward_args(batch: SampleBatch) -> dict:
+    return dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                logits_to_keep=batch.keep, use_cache=False)
+
+
+def _unflatten(mask: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """(N, ...) values of the True positions of `mask` (B, T) -> (B, T, ...), 0 elsewhere."""
+    out = torch.zeros((*mask.shape, *flat.shape[1:]), dtype=flat.dtype, device=flat.device)
+    out[mask] = flat
+    return out
+
+
+def score_responses_at(model: torch.nn.Module, batch: SampleBatch, temperature: float, chunk_tokens: int,
+                       token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """score_responses, plus the log-probs of `token_ids` (B, T, k) at each response position ((B, T, k) fp32, 0
+    where score_mask is False, with grad when the model has it; None without `token_ids`): the student's
+    log-probs of the teacher's top-k tokens in the same forward that scores the sampled ones."""
     mask = batch.score_mask
     flat = batch.score_index[mask]
     targets = batch.response_ids[mask]
-    fwd = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-               logits_to_keep=batch.keep, use_cache=False)
+    if token_ids is not None:
+        targets = torch.cat([targets[:, None], token_ids[mask]], dim=-1)
+    m = targets.shape[1] if targets.dim() == 2 else 1  # ids scored a position
     if chunk_tokens > 0:
         with _scoring_head(model, flat, targets, temperature, chunk_tokens):
-            scores = model(**fwd).logits
-        lp_flat, ent_flat = scores[:, 0], scores[:, 1]
+            scores = model(**_forward_args(batch)).logits
+        lp_flat, ent_flat = scores[:, :-1], scores[:, -1]
     else:
-        logits = model(**fwd).logits
+        logits = model(**_forward_args(batch)).logits
+        logits = logits.reshape(-1, logits.shape[-1]).index_select(0, flat).float()
+        logits = logits if temperature == 1.0 else logits / temperature
+        lp_flat = torch.gather(logits, -1, targets.reshape(len(flat), m)) - torch.logsumexp(logits, -1)[:, None]
+        ent_flat = entropy_from_logits(logits[None])[0]
+    lp_flat = lp_flat.reshape(len(flat), m)
+    at = _unflatten(mask, lp_flat[:, 1:]) if token_ids is not None else None
+    return _unflatten(mask, lp_flat[:, 0]), _unflatten(mask, ent_flat), at
+
+
+@torch.no_grad()
+def score_responses_topk(model: torch.nn.Module, batch: SampleBatch, temperature: float, chunk_tokens: int,
+                         k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logprobs (B, T), topk_ids (B, T, k) long, topk_logprobs (B, T, k)) under `model` at `temperature`, 0 where
+    score_mask is False: the log-prob of each response token and the model's k most likely tokens at its position
+    (a teacher's scores for top-k distillation). No grad."""
+    mask = batch.score_mask
+    flat = batch.score_index[mask]
+    targets = batch.response_ids[mask]
+    if chunk_tokens > 0:
+        with _scoring_head(model, flat, targets, temperature, chunk_tokens, top_k=k):
+            scores = model(**_forward_args(batch)).logits
+        lp_flat, ids_flat, top_flat = scores[:, 0].float(), scores[:, 2:2 + k].long(), scores[:, 2 + k:].float()
+    else:
+        logits = model(**_forward_args(batch)).logits
         logits = logits.reshape(-1, logits.shape[-1]).index_select(0, flat).float()
         logits = logits if temperature == 1.0 else logits / temperature
         lp_flat = token_logprobs(logits, targets)
-        ent_flat = entropy_from_logits(logits[None])[0]
-    zeros = torch.zeros(mask.shape, dtype=torch.float32, device=lp_flat.device)
-    return zeros.masked_scatter(mask, lp_flat), zeros.masked_scatter(mask, ent_flat)
+        top = logits.topk(k, dim=-1)
+        ids_flat, top_flat = top.indices, top.values - torch.logsumexp(logits, -1, keepdim=True)
+    return _unflatten(mask, lp_flat), _unflatten(mask, ids_flat), _unflatten(mask, top_flat)

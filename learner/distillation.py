@@ -10,7 +10,13 @@ Machines Lab, Oct 2025), whose advantage is -(log p_sampler - log p_teacher) per
 
 As in that post, the student's log-prob in the advantage is the sampler's, mu: it is known before the update, and
 the importance-ratio correction every relayrl loss applies (learner/off_policy.py, learner/policy_losses.py)
-accounts for the difference between mu and the policy being trained. Pure torch, no Ray.
+accounts for the difference between mu and the policy being trained.
+
+With algorithm.distillation.top_k = k > 0 the teacher ships its k most likely tokens at every position instead of
+one sampled token's log-prob, and the loss adds, per sampled position, the forward KL from the teacher's top-k
+(renormalized) to the student, topk_forward_kl: a dense, exact per-position loss with no sampling noise in the
+teacher's signal (the GKD objective on student-generated sequences, Agarwal et al. 2024, with the forward KL as
+the divergence on the teacher's top-k support; learner/ALGORITHMS.md says why forward). Pure torch, no Ray.
 """
 
 import torch
@@ -41,6 +47,33 @@ def mix_advantages(reward_advantages: Tensor, teacher_adv: Tensor, weight: float
     if weight == 1.0:
         return teacher_adv
     return weight * teacher_adv + (1.0 - weight) * reward_advantages
+
+
+def topk_forward_kl(logprobs_at: Tensor, teacher_topk_logprobs: Tensor, loss_mask: Tensor) -> Tensor:
+    """(B, T) float32: sum_j p_T(j) (log p_T(j) - log pi(j)) over the teacher's top-k ids j at each loss token, 0
+    elsewhere, where p_T is the teacher's top-k renormalized to sum to 1 and log pi the student's log-softmax over
+    the whole vocabulary at those ids (`logprobs_at` (B, T, k), with grad; `teacher_topk_logprobs` (B, T, k)).
+
+    It is the cross-entropy from p_T to pi minus p_T's entropy, so it is >= 0 and 0 only when the student puts the
+    teacher's renormalized probabilities on the k ids (and so all its mass on them). Its gradient with respect to
+    the student's logits z at a position is pi - p_T (p_T = 0 off the top k): it raises the logits of the ids the
+    teacher prefers more than the student does and lowers every other one, the student's own mass outside the
+    teacher's top k included."""
+    mask = loss_mask.bool()
+    teacher = teacher_topk_logprobs.detach().float()
+    teacher = teacher - torch.logsumexp(teacher, dim=-1, keepdim=True)
+    per_id = teacher.exp() * (teacher - logprobs_at.float())
+    per_token = per_id.sum(dim=-1)
+    return torch.where(mask, per_token, torch.zeros((), dtype=per_token.dtype, device=per_token.device))
+
+
+def topk_mass(teacher_topk_logprobs: Tensor, loss_mask: Tensor) -> float:
+    """Mean over the loss tokens of the teacher's probability mass on its top k (1: the k ids hold all of it; far
+    below 1: the renormalized top-k is a poor stand-in for the teacher, raise algorithm.distillation.top_k)."""
+    mask = loss_mask.bool()
+    if not bool(mask.any()):
+        return 0.0
+    return float(teacher_topk_logprobs.detach().float().exp().sum(dim=-1)[mask].mean())
 
 
 def _quarter_means(values: Tensor, loss_mask: Tensor) -> list[float]:

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from learner.batch import SampleBatch, score_responses
+from learner.batch import SampleBatch, score_responses, score_responses_at
 from learner.batch_plan import MicroBatching, plan_one_shard
 from learner.micro_batches import check_fits_context
 from learner.objective import LossNormalizer, PolicyLossInputs, compute_policy_loss, needs_ref_logprobs
@@ -230,7 +230,8 @@ class LearnerRank(TrainingRank, RankWeights):
 
         def forward_and_loss(idx: list[int]):
             batch, part = self._collate(shard, idx)
-            logprobs, entropy, ref = self._policy_and_ref_scores(score_responses, batch, part.ref_logprobs)
+            logprobs, entropy, ref, topk = self._policy_and_ref_scores(score_responses, batch, part.ref_logprobs,
+                                                                       part.teacher_topk_ids)
             inputs = PolicyLossInputs(
                 behavior_logprobs=part.behavior_logprobs,
                 advantages=part.advantages,
@@ -242,6 +243,8 @@ class LearnerRank(TrainingRank, RankWeights):
                                    else logprobs.detach()),
                 ref_logprobs=ref,
                 entropy=entropy,
+                teacher_topk_logprobs=part.teacher_topk_logprobs,
+                topk_logprobs=topk,
             )
             loss, metrics = compute_policy_loss(logprobs, inputs, cfg.algorithm, normalizer)
             counts = {"learner/real_tokens": float(sum(tokens[i] for i in idx)),
@@ -259,13 +262,19 @@ class LearnerRank(TrainingRank, RankWeights):
                 f"{self.cfg.algorithm.kl.beta}: the learner holds no reference model, so the batch must bring "
                 "`ref_logprobs` (TrainingBatch.from_trajectories takes them from the trajectories); this one has none")
 
-    def _policy_and_ref_scores(self, score, batch, ref: torch.Tensor | None):
-        """(log-probs with grad, entropy (with grad only for an entropy bonus), reference log-probs or None) of one
-        micro-batch, `score` being the padded/packed scorer or the sequence-parallel one. `ref`: the batch's own
-        reference log-probs (streamed, or scored once by the driver's request); the rank's reference model runs
-        only when the batch has none and a KL needs them."""
+    def _policy_and_ref_scores(self, score, batch, ref: torch.Tensor | None, topk_ids: torch.Tensor | None = None):
+        """(log-probs with grad, entropy (with grad only for an entropy bonus), reference log-probs or None, the
+        policy's log-probs of `topk_ids` (B, T, k) with grad or None) of one micro-batch, `score` being the
+        padded/packed scorer or the sequence-parallel one. `ref`: the batch's own reference log-probs (streamed, or
+        scored once by the driver's request); the rank's reference model runs only when the batch has none and a
+        KL needs them. `topk_ids`: the teacher's top-k (padded/packed layout only), scored in the same forward."""
         cfg = self.cfg
-        logprobs, entropy = score(self.engine, batch, cfg.rollout.temperature, cfg.learner.logits_chunk_tokens)
+        topk = None
+        if topk_ids is None:
+            logprobs, entropy = score(self.engine, batch, cfg.rollout.temperature, cfg.learner.logits_chunk_tokens)
+        else:
+            logprobs, entropy, topk = score_responses_at(self.engine, batch, cfg.rollout.temperature,
+                                                         cfg.learner.logits_chunk_tokens, topk_ids)
         if cfg.algorithm.entropy_coef <= 0:
             entropy = entropy.detach()
         if ref is None and self.ref_model is not None:
@@ -274,7 +283,7 @@ class LearnerRank(TrainingRank, RankWeights):
         elif ref is None and self.ref_is_base:
             with torch.no_grad(), self.engine.module.disable_adapter():
                 ref, _ = score(self.engine, batch, cfg.rollout.temperature, cfg.learner.logits_chunk_tokens)
-        return logprobs, entropy, ref
+        return logprobs, entropy, ref, topk
 
     def _finish_step(self, summed: dict[str, float], start: float, num_micro: int, dev: torch.device,
                      readings: StepReadings) -> dict[str, float]:
@@ -308,8 +317,8 @@ class LearnerRank(TrainingRank, RankWeights):
             _, piece = self._sp_slice(shard, idx, per_token)
             # |y_i|: loss tokens of whole samples, as a slice may hold part of one (seq_mean_token_mean divides by it)
             lengths = part.loss_mask.sum(dim=1).float().to(dev)
-            logprobs, entropy, ref = self._policy_and_ref_scores(sequence_parallel_scores, piece,
-                                                                 piece.per_token.get("ref_logprobs"))
+            logprobs, entropy, ref, _ = self._policy_and_ref_scores(sequence_parallel_scores, piece,
+                                                                    piece.per_token.get("ref_logprobs"))
             inputs = PolicyLossInputs(
                 behavior_logprobs=piece.per_token["behavior_logprobs"],
                 advantages=piece.per_token["advantages"],

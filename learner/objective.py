@@ -24,6 +24,7 @@ from learner.advantages import (
     zero_variance_groups,
 )
 from learner.aggregation import LossNormalizer, aggregate_loss, count_normalizer
+from learner.distillation import topk_forward_kl
 from learner.kl import entropy_from_logits, kl_estimate
 from learner.off_policy import behavior_weights
 from learner.policy_losses import POLICY_LOSSES
@@ -192,6 +193,12 @@ class PolicyLossInputs:
     """|y_i| (loss tokens of the whole sequence) at each position, when a row holds several sequences or a slice
     of one (sequence parallelism): seq_mean_token_mean divides by it (see aggregate_loss). None: one sequence per
     row, counted from loss_mask."""
+    teacher_topk_logprobs: Tensor | None = None
+    """(B, T, k) the teacher's log-probs of its k most likely ids at each position (algorithm.distillation.top_k):
+    with `topk_logprobs`, the top-k distillation loss (learner/distillation.py topk_forward_kl)."""
+    topk_logprobs: Tensor | None = None
+    """(B, T, k) the current policy's log-probs of those same ids, with grad (learner/batch.py score_responses_at,
+    in the forward that computes `logprobs`)."""
 
 
 def compute_policy_loss(logprobs: Tensor, inputs: PolicyLossInputs, cfg: AlgorithmConfig,
@@ -201,9 +208,10 @@ def compute_policy_loss(logprobs: Tensor, inputs: PolicyLossInputs, cfg: Algorit
     SUMS (plus counts `num_tokens`, `num_sequences`) to add across micro-batches and ranks; keys ending in `_max`
     combine by max. Pass the combined dict to finalize_metrics.
 
-    Per token: l = w * pg_loss(logprobs, old_logprobs, A) + beta * KL (placement loss) - entropy_coef * H, where
-    old_logprobs = proximal (decoupled) or mu (bypass) and w is the behavior weight (off_policy.py). The IS weight
-    and mask act on the policy-gradient term only; dropped tokens still count in the normalizer."""
+    Per token: l = w * pg_loss(logprobs, old_logprobs, A) + beta * KL (placement loss) - entropy_coef * H
+    + lambda * KL_topk(teacher || pi) (algorithm.distillation.top_k > 0, lambda its weight), where old_logprobs =
+    proximal (decoupled) or mu (bypass) and w is the behavior weight (off_policy.py). The IS weight and mask act
+    on the policy-gradient term only; dropped tokens still count in the normalizer."""
     mask = inputs.loss_mask.bool()
     lp = torch.where(mask, logprobs, torch.zeros((), dtype=logprobs.dtype, device=logprobs.device))
     mu = torch.where(mask, inputs.behavior_logprobs.detach().to(lp.dtype), 0.0)
@@ -265,6 +273,16 @@ def compute_policy_loss(logprobs: Tensor, inputs: PolicyLossInputs, cfg: Algorit
             f"algorithm.entropy_coef={cfg.entropy_coef} needs PolicyLossInputs.entropy with grad "
             "(entropy_from_logits(logits)); pass it or set algorithm.entropy_coef=0."
         )
+
+    if inputs.teacher_topk_logprobs is not None or cfg.distillation.top_k:
+        if inputs.teacher_topk_logprobs is None or inputs.topk_logprobs is None:
+            raise ValueError(
+                f"algorithm.distillation.top_k={cfg.distillation.top_k} needs PolicyLossInputs.teacher_topk_logprobs "
+                "(streamed by teacher workers) and topk_logprobs (the policy's log-probs of the teacher's ids, "
+                "learner/batch.py score_responses_at); pass both, or set algorithm.distillation.top_k=0")
+        distill = topk_forward_kl(inputs.topk_logprobs, inputs.teacher_topk_logprobs, mask).to(lp.dtype)
+        metrics["teacher/topk_kl"] = float(distill.detach().sum())
+        total = total + cfg.distillation.weight * distill
 
     loss = aggregate_loss(total, mask, cfg.aggregation, normalizer, inputs.sequence_lengths)
     metrics["loss"] = float(loss.detach())

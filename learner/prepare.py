@@ -3,7 +3,8 @@ turns scored samples into what the loss reads. Pure: a function of the batch and
 
     TrainingBatch (rewards, behavior / ref log-probs, values stamped in the stream)
     -> reward shaping (drops samples from the loss) -> KL in the reward -> GAE returns for a critic
-    -> advantages -> the teacher's per-token share (on-policy distillation) -> the loss normalizer
+    -> advantages -> the teacher's per-token share (on-policy distillation; with a top-k teacher, the reward's
+    share only: the ranks add the top-k loss) -> the loss normalizer
 
 The driver (cluster/trainer.py) only waits for a batch, asks the learner for reference log-probs when
 `learner_scores_ref` says the ranks hold the reference, calls `prepare_batch`, trains and publishes.
@@ -15,7 +16,7 @@ import torch
 from torch import Tensor
 
 from learner.aggregation import LossNormalizer, count_normalizer
-from learner.distillation import distillation_metrics, mix_advantages, teacher_advantages
+from learner.distillation import distillation_metrics, mix_advantages, teacher_advantages, topk_mass
 from learner.objective import (
     apply_reward_shaping,
     compute_advantages,
@@ -70,6 +71,11 @@ def check_streamed_scores(batch: TrainingBatch, cfg: RunConfig, group_ids: list[
             raise RuntimeError(
                 f"{role}.num_workers={workers} but the batch reached the learner without {name} (groups "
                 f"{sorted(set(group_ids))[:5]}); every group should pass a {role} worker on its way to the queue")
+    top_k = cfg.algorithm.distillation.top_k
+    if top_k and cfg.teacher.num_workers and batch.teacher_topk_ids is None:
+        raise RuntimeError(
+            f"algorithm.distillation.top_k={top_k} but the batch reached the learner without the teacher's top-k "
+            f"(teacher_topk_ids; groups {sorted(set(group_ids))[:5]}): every teacher worker of this run ships them")
 
 
 def reward_kl(batch: TrainingBatch, cfg: RunConfig) -> Tensor | None:
@@ -114,9 +120,16 @@ def prepare_batch(batch: TrainingBatch, cfg: RunConfig) -> PreparedBatch:
         weight = cfg.algorithm.distillation.weight
         metrics = distillation_metrics(batch.behavior_logprobs, batch.teacher_logprobs, batch.loss_mask,
                                        advantages, weight)
-        from_teacher = teacher_advantages(batch.behavior_logprobs, batch.teacher_logprobs, batch.loss_mask)
+        if cfg.algorithm.distillation.top_k:
+            # the teacher's share is the ranks' top-k loss (weight * KL), not a term of the advantage
+            metrics.pop("teacher/advantage_share", None)
+            metrics["teacher/topk_mass"] = topk_mass(batch.teacher_topk_logprobs, batch.loss_mask)
+            from_teacher = torch.zeros_like(advantages)
+        else:
+            from_teacher = teacher_advantages(batch.behavior_logprobs, batch.teacher_logprobs, batch.loss_mask)
         advantages = mix_advantages(advantages, from_teacher, weight)
-    # the ranks read the advantages, not the teacher's log-probs: they need not travel
+    # the ranks read the advantages (and the teacher's top-k, for its loss), not the teacher's sampled-token
+    # log-probs: they need not travel
     batch = batch.with_fields(advantages=advantages, teacher_logprobs=None)
     return PreparedBatch(batch=batch, shaped_rewards=rewards,
                          normalizer=count_normalizer(batch.loss_mask, cfg.rollout.max_response_tokens),

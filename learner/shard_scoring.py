@@ -7,7 +7,7 @@ head and sampling temperature, so a reference worker's log-probs are the learner
 
 import torch
 
-from learner.batch import SampleBatch, collate, collate_packed, score_responses
+from learner.batch import SampleBatch, collate, collate_packed, score_responses, score_responses_topk
 from protocols.training_batch import TrainingBatch
 
 
@@ -46,3 +46,25 @@ def score_shard(model: torch.nn.Module, shard: TrainingBatch, plan: list[list[in
         if idx:
             out[torch.tensor(idx), : part.width] = lps.cpu()
     return out
+
+
+@torch.no_grad()
+def score_shard_topk(model: torch.nn.Module, shard: TrainingBatch, plan: list[list[int]], temperature: float,
+                     chunk_tokens: int, packing: bool, pad_id: int, device: torch.device,
+                     k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """score_shard, plus the model's k most likely ids and their log-probs at every response position:
+    (logprobs (B, T), topk_ids (B, T, k) long, topk_logprobs (B, T, k)), 0 past each response's end. A teacher
+    worker's scores for top-k distillation (algorithm.distillation.top_k)."""
+    b, t = shard.loss_mask.shape
+    out = torch.zeros((b, t), dtype=torch.float32)
+    ids = torch.zeros((b, t, k), dtype=torch.long)
+    top = torch.zeros((b, t, k), dtype=torch.float32)
+    for idx in plan:
+        batch, part = collate_micro_batch(shard, idx, packing, pad_id, device)
+        lps, part_ids, part_top = score_responses_topk(model, batch, temperature, chunk_tokens, k)
+        if idx:
+            rows = torch.tensor(idx)
+            out[rows, : part.width] = lps.cpu()
+            ids[rows, : part.width] = part_ids.cpu()
+            top[rows, : part.width] = part_top.cpu()
+    return out, ids, top

@@ -206,7 +206,16 @@ class DistillationConfig(_Strict):
     """lambda in A_t = lambda * (log pi_teacher(y_t) - log mu(y_t)) + (1 - lambda) * A_reward_t, where mu is the
     policy that sampled y_t (the behavior log-probs) and A_reward the preset's advantage from the verifier's reward.
     0: pure RL (the teacher, if any, is only measured); 1: pure distillation (the reward is logged, not trained
-    on); between: both. Needs teacher.num_workers > 0 when above 0."""
+    on); between: both. Needs teacher.num_workers > 0 when above 0. With top_k > 0 it weighs the top-k loss
+    instead: per token, lambda * KL_topk(pi_teacher || pi) + (1 - lambda) * the preset's loss of A_reward."""
+
+    top_k: int = Field(0, ge=0, le=1024)
+    """0 (default): the teacher's signal is its log-prob of the one sampled token (the advantage above). k > 0: the
+    teacher ships its k most likely tokens and their log-probs at every response position, and the learner adds
+    the forward KL from the teacher's top-k (renormalized) to the student at each sampled token's position, a dense
+    per-position loss with no sampling noise (learner/distillation.py topk_forward_kl). Choose k to cover most of
+    the teacher's mass (`teacher/topk_mass`): 8 to 64 on a real vocabulary; each token then travels with k ids and
+    k log-probs. At most the vocabulary size; not with learner.sequence_parallel_size > 1."""
 
 
 # ------------------------------------------------------------------------------------------------- presets

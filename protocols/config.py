@@ -359,6 +359,18 @@ class RunConfig(BaseModel):
                 "sampling drops groups whose rewards are all equal, but under pure distillation every group carries "
                 "the teacher's per-token signal, so they would be thrown away for nothing. Set "
                 "algorithm.dynamic_sampling=false (or use a preset without it, e.g. grpo), or lower the weight")
+        top_k = self.algorithm.distillation.top_k
+        if top_k and weight == 0:
+            raise ValueError(
+                f"algorithm.distillation.top_k={top_k} ships the teacher's top-{top_k} tokens for a loss weighted by "
+                "algorithm.distillation.weight=0, so they would travel for nothing. Set algorithm.distillation.weight "
+                "above 0 (1: distillation only), or algorithm.distillation.top_k=0")
+        if top_k and self.learner.sequence_parallel_size > 1:
+            raise ValueError(
+                f"algorithm.distillation.top_k={top_k} with learner.sequence_parallel_size="
+                f"{self.learner.sequence_parallel_size}: the top-k loss is computed in the padded or packed forward "
+                "only, not in a sequence-parallel slice. Set learner.sequence_parallel_size=1, or "
+                "algorithm.distillation.top_k=0 (the sampled-token teacher advantage)")
         return self
 
     @model_validator(mode="after")

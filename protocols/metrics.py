@@ -28,7 +28,9 @@ SECTIONS: dict[str, str] = {
     "teacher/": "on-policy distillation (teacher workers), over the trained batch's loss tokens: reverse_kl_mean "
                 "(log mu - log pi_teacher per sampled token), reverse_kl_p50/p90/p99, reverse_kl_q1..q4 (its mean "
                 "in each quarter of a response's sampled tokens) and advantage_share (the teacher's share of the "
-                "advantages' magnitude under algorithm.distillation.weight)",
+                "advantages' magnitude under algorithm.distillation.weight); with algorithm.distillation.top_k > 0, "
+                "topk_mass (the teacher's probability on its top k) and topk_kl (the learner's forward KL from the "
+                "teacher's renormalized top k, per loss token) in place of advantage_share",
     "response/": "length_mean, length_p50, length_p99, length_max (tokens, of the trained batch), truncated_frac",
     "generated/": "every sample the engines finished and the verifiers scored since the last logged step, trained "
                   "or dropped (a group all wrong or all right never reaches the batch, so response/ cannot show "

@@ -18,6 +18,9 @@ PER_TOKEN = ("response_ids", "loss_mask", "behavior_logprobs", "token_versions",
              "teacher_logprobs", "values", "returns", "proximal_logprobs")
 """The `(B, T)` fields; `select` trims them to the selected samples' longest response."""
 
+PER_POSITION_K = ("teacher_topk_ids", "teacher_topk_logprobs")
+"""The `(B, T, k)` fields: k values at every response position; `select` trims them as the `(B, T)` ones."""
+
 PER_SAMPLE = ("response_lengths", "sample_mask", "rewards", "truncated")
 """The `(B,)` fields."""
 
@@ -53,6 +56,11 @@ class TrainingBatch:
     """(B, T) float32 log pi_ref(token): streamed by reference workers, or scored once by the learner group."""
     teacher_logprobs: Tensor | None = None
     """(B, T) float32 log pi_teacher(token): streamed by teacher workers (on-policy distillation)."""
+    teacher_topk_ids: Tensor | None = None
+    """(B, T, k) long: the teacher's k most likely ids at each position (algorithm.distillation.top_k = k > 0);
+    0 past a response's end."""
+    teacher_topk_logprobs: Tensor | None = None
+    """(B, T, k) float32: the teacher's log-probs of those ids; 0 past a response's end."""
     values: Tensor | None = None
     """(B, T) float32 V(state before each token), stamped by a critic worker in the stream (PPO)."""
     returns: Tensor | None = None
@@ -68,6 +76,11 @@ class TrainingBatch:
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != (b, t):
                 raise ValueError(f"TrainingBatch.{name} has shape {tuple(value.shape)}, expected {(b, t)}")
+        shapes = {tuple(getattr(self, name).shape) for name in PER_POSITION_K if getattr(self, name) is not None}
+        if shapes and (len(shapes) > 1 or next(iter(shapes))[:2] != (b, t) or len(next(iter(shapes))) != 3
+                       or self.teacher_topk_ids is None or self.teacher_topk_logprobs is None):
+            raise ValueError(f"TrainingBatch.teacher_topk_ids and teacher_topk_logprobs must both be (B, T, k) with "
+                             f"(B, T) = {(b, t)}; got shapes {sorted(shapes)}")
         for name in PER_SAMPLE:
             if tuple(getattr(self, name).shape) != (b,):
                 raise ValueError(f"TrainingBatch.{name} has shape {tuple(getattr(self, name).shape)}, expected {(b,)}")
@@ -80,11 +93,13 @@ class TrainingBatch:
                      behavior_logprobs: list[list[float]] | None = None, *,
                      model_token_mask: list[list[bool]] | None = None, token_versions: list[list[int]] | None = None,
                      sample_mask: list[bool] | None = None, rewards: list[float] | None = None,
-                     truncated: list[bool] | None = None, **per_token: list[list[float]] | None) -> "TrainingBatch":
+                     truncated: list[bool] | None = None, teacher_topk_ids: list[list[list[int]]] | None = None,
+                     teacher_topk_logprobs: list[list[list[float]]] | None = None,
+                     **per_token: list[list[float]] | None) -> "TrainingBatch":
         """A batch from ragged per-sample lists, padded once. `model_token_mask`: True on tokens the engine
         sampled (default: every response token); `loss_mask` is that AND `sample_mask`. `per_token`: optional
         (advantages, ref_logprobs, teacher_logprobs, values, returns, proximal_logprobs), one list per sample,
-        one value a token."""
+        one value a token. `teacher_topk_ids` / `teacher_topk_logprobs`: (T, k) per sample, both or neither."""
         n = len(response_ids)
         lengths = torch.tensor([len(r) for r in response_ids], dtype=torch.long)
         width = max(1, int(lengths.max())) if n else 1
@@ -96,7 +111,8 @@ class TrainingBatch:
         if unknown:
             raise TypeError(f"TrainingBatch.from_samples got unknown per-token fields {sorted(unknown)}")
         ragged = {"behavior_logprobs": behavior_logprobs, "model_token_mask": model_token_mask,
-                  "token_versions": token_versions, **per_token}
+                  "token_versions": token_versions, "teacher_topk_ids": teacher_topk_ids,
+                  "teacher_topk_logprobs": teacher_topk_logprobs, **per_token}
         for name, rows in ragged.items():
             for i, row in enumerate(rows or []):
                 if len(row) != len(response_ids[i]):
@@ -114,6 +130,8 @@ class TrainingBatch:
             sample_mask=keep,
             rewards=torch.tensor(rewards if rewards is not None else [0.0] * n, dtype=torch.float32),
             truncated=torch.tensor(truncated if truncated is not None else [False] * n, dtype=torch.bool),
+            teacher_topk_ids=_pad_k(teacher_topk_ids, width, torch.long),
+            teacher_topk_logprobs=_pad_k(teacher_topk_logprobs, width, torch.float32),
             **{k: _pad(v, width, torch.float32) for k, v in per_token.items() if v is not None},
         )
 
@@ -121,7 +139,8 @@ class TrainingBatch:
     def from_trajectories(cls, trajectories: list) -> "TrainingBatch":
         """The batch of scored `protocols.trajectory.Trajectory` records, in order: which tokens the engine
         sampled comes from each trajectory's own `loss_mask`; `ref_logprobs`, `teacher_logprobs` and `values` are
-        taken when every trajectory carries them (reference, teacher and critic workers stamp them in the stream)."""
+        taken when every trajectory carries them (reference, teacher and critic workers stamp them in the stream),
+        as are the teacher's top-k ids and log-probs."""
         def every(name: str) -> list | None:
             rows = [getattr(t, name) for t in trajectories]
             return None if any(r is None for r in rows) else rows
@@ -131,7 +150,8 @@ class TrainingBatch:
             [t.behavior_logprobs for t in trajectories], model_token_mask=[t.loss_mask for t in trajectories],
             token_versions=[t.token_versions for t in trajectories], rewards=[t.reward for t in trajectories],
             truncated=[t.truncated for t in trajectories],
-            ref_logprobs=every("ref_logprobs"), teacher_logprobs=every("teacher_logprobs"), values=every("values"))
+            ref_logprobs=every("ref_logprobs"), teacher_logprobs=every("teacher_logprobs"), values=every("values"),
+            teacher_topk_ids=every("teacher_topk_ids"), teacher_topk_logprobs=every("teacher_topk_logprobs"))
 
     # --- reading --------------------------------------------------------------------------------------------------
     @property
@@ -167,7 +187,7 @@ class TrainingBatch:
         lengths = self.response_lengths[index]
         width = max(1, int(lengths.max())) if len(indices) else 1
         update: dict = {"prompt_ids": [self.prompt_ids[i] for i in indices]}
-        for name in PER_TOKEN:
+        for name in PER_TOKEN + PER_POSITION_K:
             value = getattr(self, name)
             update[name] = None if value is None else value[index, :width]
         for name in PER_SAMPLE:
@@ -201,6 +221,20 @@ class TrainingBatch:
     @classmethod
     def load(cls, path: str | Path) -> "TrainingBatch":
         return cls(**torch.load(path, weights_only=True))
+
+
+def _pad_k(rows: list[list[list]] | None, width: int, dtype: torch.dtype) -> Tensor | None:
+    """(T_i, k) per sample -> (B, width, k), zero-padded; None stays None."""
+    if rows is None:
+        return None
+    k = next((len(row[0]) for row in rows if row), 0)
+    out = torch.zeros((len(rows), width, k), dtype=dtype)
+    for i, row in enumerate(rows):
+        if row:
+            if any(len(position) != k for position in row):
+                raise ValueError(f"sample {i}: the teacher's top-k rows must all hold k={k} values")
+            out[i, : len(row)] = torch.tensor(row, dtype=dtype)
+    return out
 
 
 def _pad(rows: list[list], width: int, dtype: torch.dtype, fill: int | float = 0) -> Tensor:

@@ -113,6 +113,25 @@ class Segment:
     token_versions: list[int] | None
 
 
+_OPTIONAL_ON_THE_WIRE = ("tool_calls", "context_spans", "environment_reward", "teacher_topk_ids",
+                         "teacher_topk_logprobs")
+"""Trajectory fields left out of a record's pickle when None, so records without them keep their bytes."""
+
+
+@dataclass(frozen=True)
+class TokenScores:
+    """What a teacher worker returns for one group when algorithm.distillation.top_k = k > 0: its log-prob of every
+    response token (as a list of rows, the form every token scorer returns otherwise) and, at every response
+    position, its k most likely ids and their log-probs. One entry per trajectory, in order."""
+
+    logprobs: list[list[float]]
+    """(T,) per trajectory: log pi(token) of each response token."""
+    topk_ids: list[list[list[int]]]
+    """(T, k) per trajectory: the k most likely token ids at each position, most likely first."""
+    topk_logprobs: list[list[list[float]]]
+    """(T, k) per trajectory: their log-probs."""
+
+
 class Trajectory(BaseModel):
     """One sampled response with everything the learner needs to train on it off-policy."""
 
@@ -167,20 +186,25 @@ class Trajectory(BaseModel):
     """log pi_teacher(token) of the frozen teacher model, one per response token, at the sampling temperature;
     added by a teacher worker while the group streams toward the queue (teacher.num_workers > 0). The
     distillation advantage (learner/distillation.py) reads it on the tokens the engine sampled."""
+    teacher_topk_ids: list[list[int]] | None = Field(None, exclude_if=lambda ids: ids is None)
+    """(T, k): the teacher's k most likely token ids at each response position, most likely first; added by a
+    teacher worker beside `teacher_logprobs` when algorithm.distillation.top_k = k > 0. None otherwise (so other
+    records are what they were, on the wire and on disk)."""
+    teacher_topk_logprobs: list[list[float]] | None = Field(None, exclude_if=lambda lps: lps is None)
+    """(T, k): log pi_teacher of those ids at the sampling temperature, unnormalized over the k (their exp sums to
+    the teacher's mass in its top k). The top-k distillation loss (learner/distillation.py) reads them."""
 
     def __getstate__(self) -> dict[Any, Any]:
         # A single-turn record pickles (Ray's wire format) to the bytes it had before tool calls existed.
         state = super().__getstate__()
-        unset = {name for name in ("tool_calls", "context_spans", "environment_reward")
-                 if getattr(self, name) is None}
+        unset = {name for name in _OPTIONAL_ON_THE_WIRE if getattr(self, name) is None}
         if unset:
             state["__dict__"] = {k: v for k, v in state["__dict__"].items() if k not in unset}
         return state
 
     def __setstate__(self, state: dict[Any, Any]) -> None:
-        state["__dict__"].setdefault("tool_calls", None)
-        state["__dict__"].setdefault("context_spans", None)
-        state["__dict__"].setdefault("environment_reward", None)
+        for name in _OPTIONAL_ON_THE_WIRE:
+            state["__dict__"].setdefault(name, None)
         super().__setstate__(state)
 
     def _context_runs(self) -> list[tuple[int, int, str]]:
@@ -267,14 +291,25 @@ class TrajectoryGroup(BaseModel):
         """A copy whose trajectories carry `ref_logprobs`, as a reference worker computed them."""
         return self.with_token_scores("reference", ref_logprobs)
 
-    def with_token_scores(self, role: str, rows: list[list[float]]) -> "TrajectoryGroup":
+    def with_token_scores(self, role: str, rows: "list[list[float]] | TokenScores") -> "TrajectoryGroup":
         """A copy whose trajectories carry the per-token log-probs a frozen model of `role` (TOKEN_SCORERS)
-        computed: one list per trajectory, in order, one value per response token."""
+        computed: one list per trajectory, in order, one value per response token; or a teacher's TokenScores,
+        which add its top-k ids and log-probs at every position."""
         name = TOKEN_SCORERS[role]
-        if len(rows) != len(self.trajectories) or any(
-                len(r) != len(t.response_token_ids) for r, t in zip(rows, self.trajectories)):
+        scores = rows if isinstance(rows, TokenScores) else None
+        rows = scores.logprobs if scores is not None else rows
+        lengths = [len(t.response_token_ids) for t in self.trajectories]
+        if len(rows) != len(self.trajectories) or any(len(r) != n for r, n in zip(rows, lengths)):
             raise ValueError(
                 f"group {self.group_id}: {role} log-probs of shape {[len(r) for r in rows]} do not match "
-                f"its responses of {[len(t.response_token_ids) for t in self.trajectories]} tokens")
+                f"its responses of {lengths} tokens")
+        updates = [{name: list(r)} for r in rows]
+        if scores is not None:
+            for kind, table in (("ids", scores.topk_ids), ("log-probs", scores.topk_logprobs)):
+                if len(table) != len(lengths) or any(len(t) != n for t, n in zip(table, lengths)):
+                    raise ValueError(f"group {self.group_id}: {role} top-k {kind} for {[len(t) for t in table]} "
+                                     f"positions do not match its responses of {lengths} tokens")
+            for update, ids, lps in zip(updates, scores.topk_ids, scores.topk_logprobs):
+                update.update(teacher_topk_ids=ids, teacher_topk_logprobs=lps)
         return self.model_copy(update={"trajectories": [
-            t.model_copy(update={name: list(r)}) for t, r in zip(self.trajectories, rows)]})
+            t.model_copy(update=u) for t, u in zip(self.trajectories, updates)]})
