@@ -53,7 +53,7 @@ class AgentRunner:
     `claim` for each group the book hands back, `abort` when it stops; `in_flight` counts the groups it plays."""
 
     def __init__(self, target: str, server: GatewayServer, book: SessionBook, group_size: int,
-                 timeout_s: float) -> None:
+                 timeout_s: float, max_running: int = 64) -> None:
         self.fn = load_agent(target)
         self.server = server
         self.book = book
@@ -66,6 +66,9 @@ class AgentRunner:
         """Groups reported aborted at a stop whose outcome has not come yet."""
         self._lock = threading.Lock()  # counts are written from the agents' loop, read from the worker's thread
         self.loop = asyncio.new_event_loop()
+        self._slots = asyncio.Semaphore(max_running)
+        """Runs at once (gateway.max_calls_in_flight): the others wait here, so a worker holding many leased groups
+        does not send the endpoint more calls than it serves, which would answer them 429."""
         self.thread = threading.Thread(target=self.loop.run_forever, name="gateway-agents", daemon=True)
         self.thread.start()
 
@@ -132,10 +135,11 @@ class AgentRunner:
         return [self.book.create(group_id, self.group_size, leased=True) for _ in range(self.group_size)]
 
     async def _run(self, task: dict[str, Any], session: Session) -> None:
-        self._count("agent_runs")
         base_url = f"{self.server.url}/sessions/{session.session_id}/v1"
         try:
-            value = await asyncio.wait_for(self.fn(task, base_url, session.api_key), self.timeout_s)
+            async with self._slots:
+                self._count("agent_runs")
+                value = await asyncio.wait_for(self.fn(task, base_url, session.api_key), self.timeout_s)
             outcome = "agent_no_reward" if value is None else (
                 "agent_rewards" if await self._on_server(self._reward, session, value) else "agent_bad_rewards")
         except asyncio.TimeoutError:

@@ -33,7 +33,7 @@ class GatewayService:
         self.server = GatewayServer(self.book, self.inbox, settings, g.host, g.port + worker_id if g.port else 0)
         self.server.start()
         self.agents = AgentRunner(g.agent, self.server, self.book, cfg.rollout.samples_per_prompt,
-                                  g.agent_timeout_s) if g.agent else None
+                                  g.agent_timeout_s, g.max_calls_in_flight) if g.agent else None
         """gateway.agent: the in-process agent that plays this worker's leased prompts; None without one."""
         self.worker_id = worker_id
         self._write_url(cfg.output_dir)

@@ -104,7 +104,10 @@ class SessionBook:
 
     @property
     def open_sessions(self) -> int:
-        return sum(not s.finished for s in self.sessions.values())
+        """Sessions created and not finished: each finish counts one of rewarded, no reward, lost. From counters,
+        not the session dict, so the worker's thread can read it while the server's loop adds sessions."""
+        c = self.counts
+        return c["sessions"] - c["sessions_rewarded"] - c["sessions_no_reward"] - c["sessions_lost"]
 
     def create(self, group: str | None = None, group_size: int | None = None,
                timeout_s: float | None = None, leased: bool = False) -> Session:

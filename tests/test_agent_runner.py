@@ -92,6 +92,7 @@ def test_failed_runs_leave_their_sessions_untrained_counted_by_kind(runner):
     assert (report["agent_no_reward"], report["agent_errors"], report["agent_bad_rewards"],
             report["agent_timeouts"], report["agent_rewards"]) == (2, 2, 2, 2, 2)
     assert (book.counts["sessions"], book.counts["sessions_rewarded"], book.counts["sessions_no_reward"]) == (10, 2, 8)
+    assert book.open_sessions == 0  # 10 created - 2 rewarded - 8 without reward
     # the task is the prompt's row; each run has a session of its own
     assert SEEN[0]["task"] == {"prompt": "none", "answer": "42", "prompt_id": "arithmetic/train/none", "a": 6, "b": 7}
     assert len({s["base_url"] for s in SEEN}) == 10
