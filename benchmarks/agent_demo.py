@@ -33,7 +33,9 @@ async def play_all(url: str, prompts: list, concurrency: int) -> list[dict]:
     slots = asyncio.Semaphore(concurrency)
 
     async def one(prompt) -> dict:
-        async with slots, httpx.AsyncClient() as client:
+        # no kept-alive connections: under load an episode can outlast the server's keep-alive (5 s), and a request
+        # on a connection the server just closed fails (httpx.ReadError)
+        async with slots, httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0)) as client:
             # a group of one: nothing here trains (the endpoint counts the group's size as wrong for training)
             s = (await client.post(f"{url}/sessions", json={"group_size": 1})).json()
             try:
@@ -55,7 +57,7 @@ def score(folder: str, config: str, temperature: float, concurrency: int) -> dic
     from rewards.datasets import load_arithmetic_prompts
     from rewards.environment import prompt_tools
 
-    cfg = load_config(config, [f"output_dir={tempfile.mkdtemp(prefix='agent_demo_score_')}", "gateway.agent=",
+    cfg = load_config(config, [f"output_dir={tempfile.mkdtemp(prefix='agent_demo_score_')}", "gateway.agent=''",
                                "weight_sync.verify_every=0"])
     path = resolve_model_path(cfg) if folder == "demo" else folder
     cfg = fit_lengths_to_model(cfg, path)
