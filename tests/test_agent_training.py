@@ -3,6 +3,7 @@ leases with the agent, written with the stock `openai` SDK, `samples_per_prompt`
 endpoint; the groups trained are those sessions' episodes under the leased ids, each sample exactly the tokens the
 engine saw and sampled (the endpoint's record of each call), with loss on the sampled tokens only."""
 
+import itertools
 import json
 
 import pytest
@@ -18,9 +19,14 @@ from rewards.datasets import encode_prompt
 pytestmark = pytest.mark.slow
 
 
+RUNS = itertools.count()
+
+
 async def agent(task, base_url, api_key):
-    """Two calls: the task, then a calculator result after the reply; the reward is a parity of the replies' text,
-    so the two sessions of a group mostly differ (the random model's replies are noise)."""
+    """Two calls: the task, then a calculator result after the reply. The reward alternates 0, 1 in the order the
+    runs start (a group's runs start one after the other), so a group's rewards differ and no group is dropped for
+    zero variance: the random model's replies say nothing."""
+    reward = float(next(RUNS) % 2)
     client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120)
     try:
         messages = [{"role": "user", "content": task["prompt"]}]
@@ -30,8 +36,8 @@ async def agent(task, base_url, api_key):
         second = await client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR_SCHEMA])
     finally:
         await client.close()
-    text = (first.choices[0].message.content or "") + (second.choices[0].message.content or "")
-    return {"reward": float(sum(map(ord, text)) % 2), "correct": False}
+    assert first.choices[0].message.role == second.choices[0].message.role == "assistant"
+    return {"reward": reward, "correct": False}
 
 
 def test_a_run_trains_the_groups_its_in_process_agent_plays(ray_cluster, tmp_path):
