@@ -26,11 +26,12 @@ from rewards.tools import load_target
 log = logging.getLogger(__name__)
 
 COUNTER_NAMES = ("agent_runs", "agent_rewards", "agent_no_reward", "agent_errors", "agent_timeouts",
-                 "agent_bad_rewards", "agent_groups", "agent_groups_after_stop")
+                 "agent_bad_rewards", "agent_groups", "agent_groups_refused", "agent_groups_after_stop")
 """`counts` keys, all present from the start: agent runs started; runs that returned a reward; runs that returned
 None; runs that raised; runs cancelled at gateway.agent_timeout_s; rewards the session refused (not a finite
-number, or the session had finished); leased groups started; groups whose outcome came after the worker had
-stopped and reported them aborted (ignored)."""
+number, or the session had finished); leased groups started; groups whose sessions the endpoint could not open
+(gateway.max_sessions; dropped `sessions_refused`); groups whose outcome came after the worker had stopped and
+reported them aborted (ignored)."""
 
 
 def load_agent(target: str) -> Callable[..., Any]:
@@ -119,7 +120,13 @@ class AgentRunner:
         return await asyncio.wrap_future(self.server.call(fn, *args))
 
     async def _group(self, group_id: str, prompt: Prompt) -> None:
-        sessions = await self._on_server(self._create, group_id)
+        try:
+            sessions = await self._on_server(self._create, group_id)
+        except SessionError as err:  # the group still comes back, dropped, so its lease ends
+            log.warning("gateway.agent: no sessions for leased group %s: %s", group_id, err.message)
+            self._count("agent_groups_refused")
+            self.book.dropped_groups.put((group_id, "sessions_refused"))
+            return
         task = task_row(prompt)
         runs = [asyncio.ensure_future(self._run(dict(task), s)) for s in sessions]
         try:
@@ -131,7 +138,12 @@ class AgentRunner:
             raise
 
     def _create(self, group_id: str) -> list[Session]:
-        # all at once in the server's loop: no client can take a seat in the leased group between them
+        # all at once in the server's loop: no client can take a seat in the leased group between them, and the
+        # room is checked first, so a refusal leaves no part of a group behind
+        if self.book.open_sessions + self.group_size > self.book.max_sessions:
+            raise SessionError(429, f"{self.book.open_sessions} sessions are open and the group needs "
+                               f"{self.group_size} more (gateway.max_sessions={self.book.max_sessions}); raise it "
+                               "above rollout.prompts_in_flight x rollout.samples_per_prompt")
         return [self.book.create(group_id, self.group_size, leased=True) for _ in range(self.group_size)]
 
     async def _run(self, task: dict[str, Any], session: Session) -> None:

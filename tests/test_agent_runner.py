@@ -110,6 +110,15 @@ def test_a_stop_cancels_the_groups_in_play_and_ignores_their_late_outcome(runner
     assert runner.report()["agent_groups_after_stop"] == 1
 
 
+def test_a_group_the_endpoint_has_no_room_for_comes_back_dropped(runner):
+    runner, book = runner
+    book.max_sessions = 1  # a group of 2 sessions does not fit: none is opened
+    runner.start("g-full", prompt("reward"))
+    assert wait_dropped(book, 1) == {"g-full": "sessions_refused"}
+    assert runner.claim("g-full") and runner.in_flight == 0
+    assert (runner.report()["agent_groups_refused"], book.counts["sessions"]) == (1, 0)
+
+
 def test_the_agent_setting_must_name_an_async_function():
     assert load_agent("tests.test_agent_runner:agent") is agent
     with pytest.raises(ValueError, match="not an async function"):
