@@ -2,7 +2,7 @@
 VENV ?= .venv
 ARGS ?=
 
-.PHONY: install train train-longcot train-tools train-tools-no-tools train-distill test bench
+.PHONY: install train train-longcot train-tools train-tools-no-tools train-agent train-distill test bench
 
 install:
 	VENV=$(VENV) bash deploy/install.sh
@@ -20,6 +20,10 @@ train-tools: install
 
 train-tools-no-tools: install
 	$(VENV)/bin/relayrl train --config deploy/configs/demo_tools_no_tools.yaml $(ARGS)
+
+# The agent demo (docs/agents.md): the products task played by an `openai` SDK agent through the session endpoint.
+train-agent: install
+	$(VENV)/bin/relayrl train --config deploy/configs/demo_agent.yaml $(ARGS)
 
 # On-policy distillation (docs/distillation.md): a larger teacher, then RL, distillation and the mix from the same
 # student on the addition demo, with the teacher's sampled token and with its top-k (six jobs, one after the other;

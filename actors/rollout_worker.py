@@ -24,6 +24,7 @@ from actors.score_router import ScoreRouter
 from actors.vllm_weights import load_checkpoint_weights, tensor_parallel_engine_args
 from actors.weight_probe_requests import ProbingEngine
 from actors.worker_policy import PolicySettings, WorkerPolicy
+from gateway.sessions import SESSION_GROUP_PREFIX
 from learner.startup_heap import frozen_after_imports
 from protocols.config import RunConfig
 from protocols.trajectory import Prompt
@@ -216,10 +217,30 @@ class RolloutWorker:
         return SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p, max_tokens=max_tokens, logprobs=0)
 
     def _take_sessions(self) -> None:
-        """Groups of finished sessions go to the controller as scored groups: the client gave their reward."""
+        """Groups of finished sessions go to the controller as scored groups: the client gave their reward. With
+        gateway.agent, leased groups the agent played come back the same way (or dropped, by reason); one the
+        worker already reported aborted at a stop is ignored."""
         now = time.monotonic()
+        agents = self.gateway.agents
         for group in self.gateway.take_groups():
-            self.policy.on_scored(group.group_id, group, now)
+            if agents is None or group.group_id.startswith(SESSION_GROUP_PREFIX) or agents.claim(group.group_id):
+                self.policy.on_scored(group.group_id, group, now)
+        for group_id, reason in self.gateway.take_dropped():
+            if agents is not None and agents.claim(group_id):
+                self.policy.on_dropped(reason, [group_id])
+
+    def _in_flight(self) -> int:
+        """Leased groups this worker plays: in its engine, or in its agent's sessions (gateway.agent)."""
+        agents = self.gateway.agents if self.gateway is not None else None
+        return self.decoding.groups_in_flight + (agents.in_flight if agents is not None else 0)
+
+    def _start(self, group_id: str, prompt: Prompt, expected_length: float) -> None:
+        """A granted group: into the engine, or to the agent (gateway.agent), which plays it through the endpoint."""
+        agents = self.gateway.agents if self.gateway is not None else None
+        if agents is not None:
+            agents.start(group_id, prompt)
+        else:
+            self.decoding.start_group(group_id, prompt, expected_length)
 
     def _collect_scored(self, block: bool = False) -> None:
         """Hand the policy the scoring tasks that finished, as object refs (the controller resolves them)."""
@@ -237,14 +258,14 @@ class RolloutWorker:
             self._watch = self.controller.watch.remote(self.worker_id, self.policy.loaded_version)
 
     def _sync(self, stats: dict, start: float) -> None:
-        request = self.policy.request(time.monotonic(), self.decoding.groups_in_flight, self._report(stats, start))
+        request = self.policy.request(time.monotonic(), self._in_flight(), self._report(stats, start))
         self.router.stamp(request)
         self._last_sync = time.monotonic()
         reply = ray.get(self.controller.sync.remote(request))
         for reason, group_ids in self.router.on_reply(request, reply).items():
             self.policy.on_dropped(reason, group_ids)
         for group_id, prompt in self.policy.on_reply(reply):
-            self.decoding.start_group(group_id, prompt, reply.expected_lengths.get(group_id, 0.0))
+            self._start(group_id, prompt, reply.expected_lengths.get(group_id, 0.0))
 
     def run(self) -> dict:
         """Generate until the controller says stop. Returns this worker's counters. The decisions (when to call
@@ -265,12 +286,12 @@ class RolloutWorker:
             now = time.monotonic()
             # groups waiting for a live reward, token-scoring or critic worker: ask every fault.health_check_s for
             # the new lists (a worker starved of budget would otherwise never call, and its groups would wait forever)
-            if policy.sync_due(now, decoding.groups_in_flight) or (
+            if policy.sync_due(now, self._in_flight()) or (
                     router.unsent and now - self._last_sync >= cfg.fault.health_check_s):
                 self._sync(stats, start)
             if policy.stopped:
                 break
-            newer = policy.weights_to_load(decoding.groups_in_flight)
+            newer = policy.weights_to_load(self._in_flight())
             if newer:
                 self.load_weights(newer)  # the policy learns the version loaded (maybe newer than announced)
                 continue  # ask for work at the new version before the next step
@@ -290,7 +311,9 @@ class RolloutWorker:
                 time.sleep(0.003)
                 stats["idle_s"] += time.perf_counter() - t0
             stats["steps"] += 1
-        aborted = decoding.abort()
+        # groups the agent plays are cancelled and reported aborted with the engine's (their sessions finish untrained)
+        aborted = [*(self.gateway.agents.abort() if self.gateway is not None and self.gateway.agents else []),
+                   *decoding.abort()]
         if self.gateway is not None:
             # calls the abort ended fail (503): their sessions are not trained; new calls wait for the next run
             self.gateway.pump(decoding, start_new=False)

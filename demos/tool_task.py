@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
+from demos.agent_task import read_call
+from gateway.chat_render import ChatRenderer
 from protocols.tools import ToolsConfig
 from protocols.trajectory import Prompt
 from rewards.arithmetic_data import problem_answer, problem_text
@@ -78,11 +80,33 @@ def greedy_tool_rollouts_hf(
     tools: ToolsConfig,
     max_new_tokens: int = 24,
     batch_size: int = 256,
+    hermes: bool = False,
 ) -> list[ToolRollout]:
     """Greedy multi-turn rollouts with transformers `generate`: a turn ends at EOS or at the call's closing tag
     (one token in the demo vocabulary); a call is answered by `demo_calculator`, rendered with the output template
-    and appended as context; at most `tools.max_turns` turns of at most `max_new_tokens` tokens each."""
+    and appended as context; at most `tools.max_turns` turns of at most `max_new_tokens` tokens each.
+
+    `hermes` (the agent demo, demos/agent_task.py): a turn ends at EOS only; a turn holding a Hermes calculator
+    call is answered as a `tool` message, rendered by the chat template's delta, as the session endpoint does."""
     eos, call_end = tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(tools.call_end)
+    stops = [eos] if hermes else [eos, call_end]
+    renderer = ChatRenderer(tokenizer) if hermes else None
+
+    def tool_output(row: list[int]) -> list[int] | None:
+        """The tokens that answer the turn's call, or None when the turn holds none (the rollout ends)."""
+        text = tokenizer.decode(row, skip_special_tokens=True)
+        if renderer is not None:
+            expression = read_call(text)
+            if expression is None:
+                return None
+            return renderer.delta_ids([{"role": "tool", "content": demo_calculator(expression)}], None, {})
+        if row[-1] != call_end:
+            return None
+        body = text.rsplit(tools.call_start, 1)[-1].removesuffix(tools.call_end)
+        name, _, arguments = body.partition(":")
+        output = demo_calculator(arguments) if name == CALCULATOR else "unknown tool"
+        return tokenizer(tools.output_template.replace("{output}", output), add_special_tokens=False)["input_ids"]
+
     pad = tokenizer.pad_token_id
     ids = [list(p.prompt_token_ids) for p in prompts]
     responses: list[list[int]] = [[] for _ in prompts]
@@ -99,20 +123,15 @@ def greedy_tool_rollouts_hf(
             lengths = torch.tensor([len(ids[i]) for i in chunk])
             attention_mask = (torch.arange(width)[None, :] >= (width - lengths)[:, None]).long()
             out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                                 do_sample=False, eos_token_id=[eos, call_end], pad_token_id=pad)
+                                 do_sample=False, eos_token_id=stops, pad_token_id=pad)
             for i, row in zip(chunk, out[:, width:].tolist()):
-                stop = next((k for k, t in enumerate(row) if t in (eos, call_end)), None)
+                stop = next((k for k, t in enumerate(row) if t in stops), None)
                 row = row if stop is None else row[: stop + 1]
                 last_turn[i] = row
                 responses[i] += row
                 ids[i] += row
-                if stop is not None and row[-1] == call_end and turn + 1 < tools.max_turns:
-                    text = tokenizer.decode(row, skip_special_tokens=True)
-                    body = text.rsplit(tools.call_start, 1)[-1].removesuffix(tools.call_end)
-                    name, _, arguments = body.partition(":")
-                    output = demo_calculator(arguments) if name == CALCULATOR else "unknown tool"
-                    rendered = tokenizer(tools.output_template.replace("{output}", output),
-                                         add_special_tokens=False)["input_ids"]
+                rendered = tool_output(row) if stop is not None and turn + 1 < tools.max_turns else None
+                if rendered is not None:
                     responses[i] += rendered
                     ids[i] += rendered
                     calls[i] += 1

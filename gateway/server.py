@@ -18,7 +18,8 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -281,9 +282,20 @@ class GatewayServer:
         self.server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port, log_level="warning",
                                                     access_log=False, lifespan="off"))
         self.host = host
+        self.loop: asyncio.AbstractEventLoop | None = None
+        """The event loop the app (and so the session book) runs in, once started."""
         self.thread = threading.Thread(target=lambda: asyncio.run(self._serve()), name="gateway-http", daemon=True)
 
+    def call(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """`fn(*args)` run in the server's event loop, as the routes run (the session book is not thread-safe):
+        for in-process callers in other threads (gateway/agent_runner.py). A future of its result."""
+        async def run() -> Any:
+            return fn(*args)
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop)
+
     async def _serve(self) -> None:
+        self.loop = asyncio.get_running_loop()
         async def sweep() -> None:  # deadlines pass with no request to notice them
             while True:
                 await asyncio.sleep(SWEEP_S)

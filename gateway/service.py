@@ -1,12 +1,14 @@
 """The session endpoint of one rollout worker (gateway.enabled): its sessions, its call inbox and its HTTP server,
 built from the run's config. The worker's loop calls `pump` before each engine step and hands the groups of
 finished sessions (`take_groups`) to the controller as scored groups: their reward came from the client, so no
-reward worker scores them again."""
+reward worker scores them again. With gateway.agent, the service also runs that agent on the prompts the worker
+leases (gateway/agent_runner.py): their groups come back the same way, under the leased ids."""
 
 import json
 from pathlib import Path
 from typing import Any, Callable
 
+from gateway.agent_runner import AgentRunner
 from gateway.chat_render import ChatRenderer
 from gateway.engine_bridge import CallInbox
 from gateway.server import GatewayServer, ServeSettings
@@ -30,6 +32,9 @@ class GatewayService:
             max_calls_in_flight=g.max_calls_in_flight, retry_after_s=g.retry_after_s, tool_parser=g.tool_parser)
         self.server = GatewayServer(self.book, self.inbox, settings, g.host, g.port + worker_id if g.port else 0)
         self.server.start()
+        self.agents = AgentRunner(g.agent, self.server, self.book, cfg.rollout.samples_per_prompt,
+                                  g.agent_timeout_s, g.max_calls_in_flight) if g.agent else None
+        """gateway.agent: the in-process agent that plays this worker's leased prompts; None without one."""
         self.worker_id = worker_id
         self._write_url(cfg.output_dir)
 
@@ -51,10 +56,17 @@ class GatewayService:
     def take_groups(self) -> list[TrajectoryGroup]:
         return self.book.take_groups()
 
+    def take_dropped(self) -> list[tuple[str, str]]:
+        """(group id, reason) of the leased groups that did not go on."""
+        return self.book.take_dropped()
+
     def report(self) -> dict[str, float]:
         return {**self.book.counts, "calls_in_flight": self.inbox.in_flight,
-                "open_sessions": self.book.open_sessions}
+                "open_sessions": self.book.open_sessions,
+                **(self.agents.report() if self.agents is not None else {})}
 
     def stop(self) -> None:
+        if self.agents is not None:
+            self.agents.close()
         self.server.stop()
         self.inbox.fail_all("the rollout worker stopped serving")

@@ -8,7 +8,11 @@ mid-call) is not trained, and is counted. Sessions created with the same `group`
 several times) form one group of `group_size` sessions, whose baseline compares them; sessions created without a
 key fill anonymous groups in arrival order. A group goes on once all its sessions have finished, if it holds
 exactly `train_group_size` samples (the learner's group size, rollout.samples_per_prompt); otherwise it is
-dropped and counted (`groups_wrong_size`): an untrained session or a split episode changes the count."""
+dropped and counted (`groups_wrong_size`): an untrained session or a split episode changes the count.
+
+A group created for a prompt the controller leased to the worker (an in-process agent's, gateway/agent_runner.py)
+carries the lease's group id, so it ends that lease; when it is dropped, its id and reason go to `dropped_groups`
+for the worker to report (the controller counts it as any dropped group)."""
 
 import json
 import math
@@ -68,8 +72,11 @@ class Session:
 class _Group:
     size: int
     group_id: str
-    """Unique over the run: `session-group/<worker>/<serial>/<key>` (a key may be reused once its group went on)."""
+    """Unique over the run: `session-group/<worker>/<serial>/<key>` (a key may be reused once its group went on),
+    or a leased group's own id."""
     sessions: list[Session] = field(default_factory=list)
+    leased: bool = False
+    """Created for a group the controller leased (`create(..., leased=True)`): its drop is reported."""
 
 
 class SessionBook:
@@ -92,6 +99,8 @@ class SessionBook:
         self.groups: dict[str, _Group] = {}
         self.finished_groups: queue.SimpleQueue = queue.SimpleQueue()
         """TrajectoryGroups ready for training; the rollout worker takes them (`take_groups`)."""
+        self.dropped_groups: queue.SimpleQueue = queue.SimpleQueue()
+        """(group id, reason) of leased groups that did not go on; the rollout worker takes them (`take_dropped`)."""
         self.counts: Counter = Counter({name: 0 for name in COUNTER_NAMES})
         self.min_version: Callable[[], int] | None = None
         """The oldest weight version a token may have been sampled with and still train (the rollout worker's
@@ -99,12 +108,16 @@ class SessionBook:
 
     @property
     def open_sessions(self) -> int:
-        return sum(not s.finished for s in self.sessions.values())
+        """Sessions created and not finished: each finish counts one of rewarded, no reward, lost. From counters,
+        not the session dict, so the worker's thread can read it while the server's loop adds sessions."""
+        c = self.counts
+        return c["sessions"] - c["sessions_rewarded"] - c["sessions_no_reward"] - c["sessions_lost"]
 
     def create(self, group: str | None = None, group_size: int | None = None,
-               timeout_s: float | None = None) -> Session:
+               timeout_s: float | None = None, leased: bool = False) -> Session:
         """A new session in `group` (None: the open anonymous group) of `group_size` sessions (None: the
-        learner's group size)."""
+        learner's group size). `leased` (in-process callers only, never a request): `group` is the id of a group
+        the controller leased to this worker, and the group keeps that id."""
         self.sweep()
         if self.open_sessions >= self.max_sessions:
             raise SessionError(429, f"{self.max_sessions} sessions are open (gateway.max_sessions); retry later")
@@ -120,7 +133,7 @@ class SessionBook:
             if g is None or len(g.sessions) >= g.size or g.size != group_size:
                 g = self._anonymous = self._new_group("anonymous", group_size)
         else:
-            g = self.groups.get(group) or self._new_group(group, group_size)
+            g = self.groups.get(group) or self._new_group(group, group_size, leased)
         if g.size != group_size or len(g.sessions) >= g.size:
             raise SessionError(409, f"group {group!r} has size {g.size} and {len(g.sessions)} sessions; a group's "
                                "sessions share one group_size and it cannot grow past it")
@@ -132,9 +145,10 @@ class SessionBook:
         self.counts["sessions"] += 1
         return session
 
-    def _new_group(self, key: str, size: int) -> _Group:
+    def _new_group(self, key: str, size: int, leased: bool = False) -> _Group:
         self._serial += 1
-        g = _Group(size, f"{SESSION_GROUP_PREFIX}{self.worker_id}/{self._serial}/{key}")
+        g = _Group(size, key if leased else f"{SESSION_GROUP_PREFIX}{self.worker_id}/{self._serial}/{key}",
+                   leased=leased)
         self.groups[g.group_id] = g
         if key != "anonymous":
             self.groups[key] = g
@@ -237,12 +251,15 @@ class SessionBook:
             trajectories += samples
             self.counts["retry_orphans"] += counts["retry_orphans"]
             self.counts["staleness_cuts"] += counts["staleness_cuts"]
-        if trajectories and len(trajectories) != self.train_group_size:
-            self.counts["groups_wrong_size"] += 1
-        elif trajectories:
+        if trajectories and len(trajectories) == self.train_group_size:
             self.counts["samples"] += len(trajectories)
             self.counts["groups"] += 1
             self.finished_groups.put(TrajectoryGroup(group_id=group.group_id, trajectories=trajectories))
+            return
+        self.counts["groups_wrong_size"] += bool(trajectories)
+        if group.leased:  # (an untrained session, or samples that do not number the group's size: split episodes)
+            untrained = any(s.lost or s.reward is None for s in group.sessions)
+            self.dropped_groups.put((group.group_id, "sessions_untrained" if untrained else "group_wrong_size"))
 
     def sweep(self) -> None:
         """Finish the sessions past their deadline (no calls in flight: a call in flight ends first)."""
@@ -256,9 +273,17 @@ class SessionBook:
 
     def take_groups(self) -> list[TrajectoryGroup]:
         """Finished groups for training (thread-safe)."""
-        out = []
-        while True:
-            try:
-                out.append(self.finished_groups.get_nowait())
-            except queue.Empty:
-                return out
+        return _drain(self.finished_groups)
+
+    def take_dropped(self) -> list[tuple[str, str]]:
+        """(group id, reason) of the leased groups dropped since the last call (thread-safe)."""
+        return _drain(self.dropped_groups)
+
+
+def _drain(q: queue.SimpleQueue) -> list:
+    out = []
+    while True:
+        try:
+            out.append(q.get_nowait())
+        except queue.Empty:
+            return out

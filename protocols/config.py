@@ -385,6 +385,10 @@ class RunConfig(BaseModel):
                 f"gateway.enabled=true with {given}: the endpoint's session groups go to the queue without passing "
                 "the scoring workers, so no reference, teacher or critic worker would score them. Set them to 0 (the "
                 "learner then scores the reference itself), or gateway.enabled=false")
+        if self.gateway.agent and not self.gateway.enabled:
+            raise ValueError(
+                f"gateway.agent={self.gateway.agent!r} with gateway.enabled=false: the agent plays its sessions on "
+                "the rollout workers' endpoints; set gateway.enabled=true, or leave gateway.agent empty")
         return self
 
     @model_validator(mode="after")

@@ -50,6 +50,18 @@ class GatewayConfig(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     """Most new tokens per call; None: rollout.max_response_tokens. A request's max_tokens is clamped to it."""
 
+    agent: str = Field("", pattern=r"^$|^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    """`module:function` of an in-process agent, `async def run(task, base_url, api_key) -> float | dict | None`,
+    importable by the rollout workers; empty: none (agents outside the run create their own sessions). Set, each
+    rollout worker plays every prompt it leases from the run's data set with it: `rollout.samples_per_prompt`
+    runs at once, each in its own session of the worker's endpoint, which together form the leased group
+    (gateway/agent_runner.py). `task` is the prompt's row (`prompt`, `answer`, `prompt_id` and its metadata); the
+    return value is the session's reward (a number, or a dict with `reward`; None: not trained, counted)."""
+
+    agent_timeout_s: float = Field(300.0, gt=0)
+    """Wall seconds one agent run may take; past it the run is cancelled, its session finished untrained and
+    counted (`agent_timeouts`). Keep it under session_timeout_s."""
+
     @field_validator("host")
     @classmethod
     def _loopback(cls, host: str) -> str:
