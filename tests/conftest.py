@@ -20,6 +20,20 @@ def shared_dir() -> Path:
     return Path(os.environ.get("RELAYRL_SHARED_DIR", REPO.parent / "shared"))
 
 
+def record_batches(trainer) -> list[tuple[int, list]]:
+    """Wrap `trainer.step` so that each step first records (the policy version it trains at, its groups); the
+    list fills as the run goes."""
+    trained: list[tuple[int, list]] = []
+    step = trainer.step
+
+    def recording_step(groups):
+        trained.append((trainer.version, groups))
+        return step(groups)
+
+    trainer.step = recording_step
+    return trained
+
+
 def at_once(*calls: tuple) -> list:
     """Results of `calls`, each `(function, *args)`, run in threads at the same time. For tests that start
     several independent actor groups (DeepSpeed groups, engines): a start is mostly imports and waits, so the

@@ -15,6 +15,7 @@ from gateway.sessions import SESSION_GROUP_PREFIX
 from protocols.config import load_config
 from protocols.data import DataConfig
 from rewards.datasets import encode_prompt
+from tests.conftest import record_batches
 
 pytestmark = pytest.mark.slow
 
@@ -59,18 +60,12 @@ def test_a_run_trains_the_groups_its_in_process_agent_plays(ray_cluster, tmp_pat
         "learner.gradient_checkpointing=false", "algorithm.preset=grpo", "train.steps=2", "train.max_staleness=4",
         "train.eval_every=0", "train.save_every=0", "weight_sync.verify_every=0"])
     trainer = Trainer(cfg)
-    trained: list = []
-    step = trainer.step
-
-    def recording_step(groups):
-        trained.extend(groups)
-        return step(groups)
-
-    trainer.step = recording_step
+    batches = record_batches(trainer)
     try:
         summary = trainer.run()
     finally:
         trainer.shutdown()
+    trained = [g for _, groups in batches for g in groups]
     assert summary["steps"] == 2 and len(trained) == 4  # 2 steps x 2 prompts
     records = {}
     for line in (tmp_path / "run" / "gateway" / "episodes-worker-0.jsonl").read_text().splitlines():

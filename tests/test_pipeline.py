@@ -8,7 +8,7 @@ import ray
 
 from cluster.trainer import Trainer
 from protocols.config import load_config
-from tests.conftest import REPO, shared_dir
+from tests.conftest import REPO, record_batches, shared_dir
 
 pytestmark = pytest.mark.slow
 
@@ -24,14 +24,7 @@ def test_on_policy_run_trains_only_current_samples_and_raises_reward(ray_cluster
     run for both: a Trainer's start costs more than these steps' checks)."""
     cfg = demo_config(tmp_path, "train.steps=100", "train.max_staleness=0", "learner.prompts_per_step=16")
     trainer = Trainer(cfg)
-    trained: list[tuple[int, list]] = []
-    step = trainer.step
-
-    def recording_step(groups):  # records what the learner trained on, at which version, then runs the real step
-        trained.append((trainer.version, groups))
-        return step(groups)
-
-    trainer.step = recording_step
+    trained = record_batches(trainer)  # what the learner trained on, at which version
     try:
         summary = trainer.run()
     finally:

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from cluster.trainer import Trainer
+from tests.conftest import record_batches
 from tests.test_pipeline import tiny_gsm8k_config
 
 pytestmark = pytest.mark.slow
@@ -55,14 +56,7 @@ def test_a_run_trains_the_groups_an_openai_sdk_agent_plays(ray_cluster, tmp_path
     cfg = tiny_gsm8k_config(tmp_path, "rollout.prompts_in_flight=2", "algorithm.preset=grpo", "train.steps=6",
                             "train.max_staleness=4", "gateway.enabled=true")
     trainer = Trainer(cfg)
-    trained: list = []
-    step = trainer.step
-
-    def recording_step(groups):
-        trained.extend(groups)
-        return step(groups)
-
-    trainer.step = recording_step
+    batches = record_batches(trainer)
     stop, played = threading.Event(), []
     player = threading.Thread(target=agent, args=(tmp_path / "run", stop, played), daemon=True)
     player.start()
@@ -72,6 +66,7 @@ def test_a_run_trains_the_groups_an_openai_sdk_agent_plays(ray_cluster, tmp_path
         stop.set()
         trainer.shutdown()
         player.join(30)
+    trained = [g for _, groups in batches for g in groups]
     sessions = [g for g in trained if g.group_id.startswith("session-group/")]
     assert played and sessions, (played, [g.group_id for g in trained])
     for group in sessions:
