@@ -48,11 +48,15 @@ SECTIONS: dict[str, str] = {
     "autoscale/": "the rollout autoscaler's decision after each step (rollout.autoscale): size, change (+1, -1, 0), "
                   "wait_frac (the share of the step the learner waited) and reason_<why> = 1 for its reason",
     "rollout/": "idle_frac, tokens_per_s, sync_s_total over the rollout workers; num_workers (the pool's size, "
-                "which `relayrl scale` changes while the job runs)",
+                "which `relayrl scale` changes while the job runs); prefix_cache_hit_rate and prefill_tokens_saved "
+                "(rollout.prefix_caching, actors/prefix_cache.py)",
     "gateway/": "the session endpoint's counters (gateway.enabled), summed over the rollout workers since the run "
                 "started: sessions, sessions_rewarded, sessions_no_reward, sessions_lost, calls, calls_refused, "
-                "calls_lost, tool_parse_failures, retries, samples, groups, splits_<reason>, ...; calls_per_session, "
-                "samples_per_rewarded_session",
+                "calls_lost, tool_parse_failures, retries, staleness_cuts, samples, groups, splits_<reason>, ...; "
+                "calls_per_session, samples_per_rewarded_session; with rollout.prefix_caching "
+                "prefill_tokens_saved_per_session and prefix_cache_hit_rate; with gateway.agent the in-process agent's "
+                "agent_runs, agent_rewards, agent_no_reward, agent_errors, agent_timeouts, agent_bad_rewards, "
+                "agent_groups, agent_groups_refused, agent_groups_after_stop (gateway/agent_runner.py)",
     "time/": "seconds per phase of the step: wait_s, learner_s, publish_s, step_s, verify_s (the weight-sync "
              "check: the learner's probe forward and the comparison)",
     "learner/": "the learner's own readings: tokens_per_s, real/processed tokens, effective_token_frac, "
