@@ -144,7 +144,7 @@ class Scaling:
                 inbox.done(request, rollout=len(pool.workers), error=str(err))
             return False
         self.under_way = Resize(n, time.perf_counter(), version, request)
-        if n == len(pool.workers):  # nothing to change: answered at once
+        if n == len(pool.workers):  # the size it has (a drain's workers are out already): answered if done
             self._advance(inbox, version, wait=False)
         return True
 
