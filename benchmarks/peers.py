@@ -1,19 +1,23 @@
-"""relayrl beside a peer: the addition demo's `make train` job and TRL's GRPOTrainer, back to back (issue 30).
+"""relayrl beside a peer: a demo's relayrl job and TRL's GRPOTrainer, back to back (issue 30).
 
-Both start from the same cached warm-started demo model (demos/model_cache.py), see the same training prompts in
-the same order (relayrl's prompt cursor, actors/prompt_cursor.py, which its controller hands out as g0, g1, ...),
-are rewarded by relayrl's verifier (rewards/arithmetic.py, called from TRL's reward function) and are scored on the
-same 200 held-out problems by relayrl's greedy evaluation (demos/warm_start.py greedy_accuracy_hf). Settings:
-group 8, 16 prompts a step, lr 5e-5, 16 response tokens, temperature 1, clip 0.2 / 0.28, token-mean loss, no KL
-(docs/peers.md maps every setting). Prints s/step, samples/s, response tokens/s and held-out accuracy, and writes
-`results.json`, `table.md` and the accuracy-against-time figure into --out.
+Two demos (`--demo`): `addition`, the `make train` job (16 response tokens), and `longcot`, the `make
+train-longcot` job (deploy/configs/demo_longcot.yaml: chains of thought of 100 to 1,100 tokens). Both runs of a
+demo start from the same cached warm-started model (demos/model_cache.py, demos/longcot_model.py), see the same
+training prompts in the same order (relayrl's prompt cursor, actors/prompt_cursor.py, which its controller hands
+out as g0, g1, ...), are rewarded by relayrl's verifier (rewards/, called from TRL's reward function) and are scored
+on the same 200 held-out problems by the same greedy transformers evaluation. Settings: group 8, 16 prompts a step,
+lr 5e-5, the demo's response cap, temperature 1, clip 0.2 / 0.28, token-mean loss, no KL (docs/peers.md maps every
+setting). Prints s/step, samples/s, response tokens/s and held-out accuracy, and writes `results.json`, `table.md`
+and the accuracy-against-time figure into --out.
 
     nice -n 5 python benchmarks/peers.py --steps 500 --out runs/bench_peers [--runs relayrl,trl] [key=value ...]
+    python benchmarks/peers.py --demo longcot --steps 40 --eval-every 20 --runs relayrl,trl_vllm,trl \
+        --out runs/bench_peers_longcot --figure docs/peers_longcot.png
 
-`relayrl` is `relayrl train` with the demo defaults (what `make train` runs) plus `train.steps` and
+`relayrl` is `relayrl train` with the demo's config (what its make target runs) plus `train.steps` and
 `train.eval_every`, in its own process; `key=value` overrides go to it alone. `trl` is GRPOTrainer with transformers
-generation on CPU (use_vllm=False), in this process after relayrl's job has ended. Training time excludes the
-held-out evaluations of both.
+generation on CPU (use_vllm=False), `trl_vllm` with vLLM colocate (patched, below), in this process after relayrl's
+job has ended. Training time excludes the held-out evaluations of all.
 """
 
 import argparse
@@ -23,7 +27,9 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import psutil
 import torch
@@ -32,20 +38,55 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from actors.prompt_cursor import PromptCursor  # noqa: E402
-from demos.warm_start import greedy_accuracy_hf  # noqa: E402
+from demos.longcot_model import greedy_responses_by_length  # noqa: E402
+from demos.warm_start import greedy_responses_hf  # noqa: E402
 from protocols.config import RunConfig, load_config  # noqa: E402
 from protocols.trajectory import Prompt  # noqa: E402
 from rewards.arithmetic import verify_arithmetic  # noqa: E402
 from rewards.datasets import load_prompts  # noqa: E402
+from rewards.longcot import verify_longcot  # noqa: E402
 
 
-def demo_setup() -> tuple[RunConfig, str, list[Prompt], list[Prompt]]:
+@dataclass(frozen=True)
+class Demo:
+    """What differs between the two demos on both sides: relayrl's config file, the verifier, the engine's context
+    and the held-out evaluation's greedy decoding."""
+
+    name: str
+    config: Path | None
+    verifier: Callable
+    max_model_len: int
+    """TRL's vLLM context: the prompt plus the response cap (longcot: model.demo.max_position_embeddings)."""
+
+    def held_out(self, model, tokenizer, prompts: list[Prompt]) -> float:
+        """Greedy accuracy with transformers `generate` (a folder or a live model), the same code for every run."""
+        if isinstance(model, (str, Path)):
+            from transformers import Qwen2ForCausalLM
+
+            model = Qwen2ForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+        was_training = model.training
+        model.eval()
+        if self.name == "longcot":  # batches of similar length, each capped near its longest solution
+            responses = greedy_responses_by_length(model, tokenizer, prompts)
+        else:
+            responses = greedy_responses_hf(model, tokenizer, prompts, max_new_tokens=8)
+        model.train(was_training)
+        return sum(self.verifier(p, r).correct for p, r in zip(prompts, responses)) / max(1, len(prompts))
+
+
+DEMOS = {
+    "addition": Demo("addition", None, verify_arithmetic, 64),
+    "longcot": Demo("longcot", REPO / "deploy" / "configs" / "demo_longcot.yaml", verify_longcot, 1280),
+}
+
+
+def demo_setup(demo: Demo) -> tuple[RunConfig, str, list[Prompt], list[Prompt]]:
     """The demo's config, the cached warm-started model folder (built on first use), train and held-out prompts."""
     from transformers import AutoTokenizer
 
     from cluster.model_folder import resolve_model_path
 
-    cfg = load_config(None, [])
+    cfg = load_config(str(demo.config) if demo.config else None, [])
     folder = resolve_model_path(cfg)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     train_prompts, _ = load_prompts(cfg.data, "train", tokenizer)
@@ -97,10 +138,11 @@ class JobCpu(threading.Thread):
 # ------------------------------------------------------------------------------------------------- relayrl
 
 
-def run_relayrl(steps: int, eval_every: int, out: Path, extra: list[str]) -> dict:
-    """`relayrl train` with the demo defaults, as `make train` runs it; figures from its run folder."""
+def run_relayrl(demo: Demo, steps: int, eval_every: int, out: Path, extra: list[str]) -> dict:
+    """`relayrl train` with the demo's config, as its make target runs it; figures from its run folder."""
     folder = out / "relayrl"
-    cmd = [sys.executable, "-m", "cli.main", "train", "--output-dir", str(folder), f"train.steps={steps}",
+    config = ["--config", str(demo.config)] if demo.config else []
+    cmd = [sys.executable, "-m", "cli.main", "train", *config, "--output-dir", str(folder), f"train.steps={steps}",
            f"train.eval_every={eval_every}", *extra]
     print(f"[relayrl] {' '.join(cmd[2:])}", flush=True)
     start = time.perf_counter()
@@ -172,7 +214,7 @@ def patch_trl_vllm_for_cpu() -> None:
     vg.VLLMGeneration.sync_weights = sync_weights
 
 
-def run_trl(cfg: RunConfig, folder: str, prompts: list[Prompt], eval_prompts: list[Prompt], steps: int,
+def run_trl(demo: Demo, cfg: RunConfig, folder: str, prompts: list[Prompt], eval_prompts: list[Prompt], steps: int,
             eval_every: int, out: Path, generation: str = "transformers") -> dict:
     """TRL GRPOTrainer on the same model, prompts (in order), verifier and settings; `generation`: transformers
     (stock TRL) or vllm (colocate mode, patched by patch_trl_vllm_for_cpu)."""
@@ -192,7 +234,7 @@ def run_trl(cfg: RunConfig, folder: str, prompts: list[Prompt], eval_prompts: li
     dataset = Dataset.from_dict({"prompt": [p.prompt_text for p in prompts], "prompt_id": [p.prompt_id for p in prompts]})
 
     def reward(completions: list[str], prompt_id: list[str], **_) -> list[float]:
-        return [verify_arithmetic(by_id[pid], text).reward for pid, text in zip(prompt_id, completions)]
+        return [demo.verifier(by_id[pid], text).reward for pid, text in zip(prompt_id, completions)]
 
     algo, lrn, roll = cfg.algorithm, cfg.learner, cfg.rollout
     vllm = {}
@@ -200,7 +242,7 @@ def run_trl(cfg: RunConfig, folder: str, prompts: list[Prompt], eval_prompts: li
         patch_trl_vllm_for_cpu()
         # TRL's engine/trainer correction nearest relayrl's decoupled TIS (cap 2); it also logs their log-prob gap
         vllm = {"vllm_mode": "colocate", "vllm_gpu_memory_utilization": roll.gpu_memory_utilization,
-                "vllm_max_model_length": 64, "vllm_importance_sampling_correction": True,
+                "vllm_max_model_length": demo.max_model_len, "vllm_importance_sampling_correction": True,
                 "vllm_importance_sampling_mode": "token_truncate",
                 "vllm_importance_sampling_clip_max": algo.off_policy.tis_cap}
     args = GRPOConfig(
@@ -231,7 +273,7 @@ def run_trl(cfg: RunConfig, folder: str, prompts: list[Prompt], eval_prompts: li
 
         def evaluate(self, step: int) -> None:
             t0, c0 = time.perf_counter(), time.process_time()
-            accuracy = greedy_accuracy_hf(model, tokenizer, eval_prompts, verify_arithmetic)
+            accuracy = demo.held_out(model, tokenizer, eval_prompts)
             model.train()
             self.curve.append((step, t0 - self.start - self.eval_s, accuracy))
             self.eval_s += time.perf_counter() - t0
@@ -303,12 +345,14 @@ def plot(curves: dict[str, list[tuple[int, float, float]]], path: Path, title: s
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--demo", choices=sorted(DEMOS), default="addition",
+                        help="addition (make train) or longcot (make train-longcot)")
     parser.add_argument("--steps", type=int, default=500, help="training steps of each run (make train: 500)")
     parser.add_argument("--eval-every", type=int, default=50, help="held-out evaluation every N steps")
     parser.add_argument("--out", default="runs/bench_peers", help="folder for the runs, results and figure")
     parser.add_argument("--runs", default="relayrl,trl",
                         help="comma-separated: relayrl, trl (transformers generation), trl_vllm (vLLM colocate)")
-    parser.add_argument("--figure", default=str(REPO / "docs" / "peers_addition.png"))
+    parser.add_argument("--figure", default=None, help="the figure's path (default: docs/peers_<demo>.png)")
     parser.add_argument("--trl-threads", type=int, default=0,
                         help="torch threads of the TRL run (0: torch's default, one per core); relayrl's actors "
                              "run one each (Ray sets OMP_NUM_THREADS=1 for a 1-CPU actor)")
@@ -318,31 +362,32 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
 
-    cfg, folder, train_prompts, eval_prompts = demo_setup()
+    demo = DEMOS[args.demo]
+    if args.trl_threads:  # this process's evaluations too: spinning threads crawl on a shared machine
+        torch.set_num_threads(args.trl_threads)
+    cfg, folder, train_prompts, eval_prompts = demo_setup(demo)
     per_step = cfg.learner.prompts_per_step
     # dynamic sampling skips groups without signal, so relayrl reads further into the stream than steps * 16
     prompts = prompt_stream(cfg, train_prompts, args.steps * per_step)
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
-    before = greedy_accuracy_hf(folder, tokenizer, eval_prompts, verify_arithmetic)
+    before = demo.held_out(folder, tokenizer, eval_prompts)
     print(f"held-out greedy accuracy of the warm-started model: {before:.3f}", flush=True)
     results: dict[str, dict] = {}
     curves: dict[str, list] = {}
     if "relayrl" in runs:
-        r = run_relayrl(args.steps, args.eval_every, out, args.overrides)
-        r["accuracy_after"] = greedy_accuracy_hf(r["final_model"], tokenizer, eval_prompts, verify_arithmetic)
+        r = run_relayrl(demo, args.steps, args.eval_every, out, args.overrides)
+        r["accuracy_after"] = demo.held_out(r["final_model"], tokenizer, eval_prompts)
         results["relayrl"] = r
         curves["relayrl (make train job, async DAPO)"] = r["curve_in_run"]
         print(f"[relayrl] {r['train_s']:.1f} s training, accuracy {before:.3f} -> {r['accuracy_after']:.3f}",
               flush=True)
     labels = {"trl": ("transformers", "TRL GRPOTrainer (transformers generation)"),
               "trl_vllm": ("vllm", "TRL GRPOTrainer (vLLM colocate, patched)")}
-    if args.trl_threads:
-        torch.set_num_threads(args.trl_threads)
     for name in (r for r in runs if r in labels):
         generation, label = labels[name]
-        r = run_trl(cfg, folder, prompts, eval_prompts, args.steps, args.eval_every, out, generation)
+        r = run_trl(demo, cfg, folder, prompts, eval_prompts, args.steps, args.eval_every, out, generation)
         r["accuracy_after"] = r["curve"][-1][2]
         r.pop("model"), r.pop("tokenizer")
         results[name] = r
@@ -380,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / "table.md").write_text(table + "\n")
     (out / "results.json").write_text(json.dumps({"accuracy_before": before, **results}, indent=2, default=str))
     if curves:
-        plot(curves, Path(args.figure), f"addition demo, {args.steps} steps, same model, prompts and verifier")
+        args.figure = args.figure or str(REPO / "docs" / f"peers_{demo.name}.png")
+        plot(curves, Path(args.figure), f"{demo.name} demo, {args.steps} steps, same model, prompts and verifier")
         print(f"figure: {args.figure}")
     return 0
 

@@ -52,13 +52,14 @@ class Phases:
         self.current = defaultdict(float)
 
 
-def profile_relayrl(steps: int, out: Path, overrides: list[str]) -> tuple[list[dict], dict, dict, object, dict]:
+def profile_relayrl(steps: int, out: Path, overrides: list[str],
+                    config: str | None = None) -> tuple[list[dict], dict, dict, object, dict]:
     import ray
 
     from cluster import trainer as trainer_module
     from protocols.config import load_config
 
-    cfg = load_config(None, [f"train.steps={steps}", f"output_dir={out / 'run'}", "logging.plots=false", *overrides])
+    cfg = load_config(config, [f"train.steps={steps}", f"output_dir={out / 'run'}", "logging.plots=false", *overrides])
     trainer = trainer_module.Trainer(cfg)
     phases = Phases()
     captured = {}
@@ -207,7 +208,7 @@ def plain_grpo_step(cfg, folder: str, batch, normalizer, repeats: int) -> dict[s
 
     from learner.batch import collate, score_responses
     from learner.objective import PolicyLossInputs, compute_advantages, compute_policy_loss
-    from rewards.arithmetic import verify_arithmetic
+    from rewards.registry import resolve_verifier
     from rewards.datasets import load_prompts
 
     torch.set_num_threads(1)
@@ -215,6 +216,7 @@ def plain_grpo_step(cfg, folder: str, batch, normalizer, repeats: int) -> dict[s
     model = Qwen2ForCausalLM.from_pretrained(folder, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learner.lr, weight_decay=0.0)
     prompts, _ = load_prompts(cfg.data, "train", tokenizer)
+    verify = resolve_verifier(cfg.reward.verifier).fn  # the demos' verifiers are single-sample functions
     group, per_step = cfg.rollout.samples_per_prompt, cfg.learner.prompts_per_step
     train_batch = batch  # as the learner got it: shaped, with advantages (prepare_batch ran in the driver)
     times: dict[str, list[float]] = defaultdict(list)
@@ -232,7 +234,7 @@ def plain_grpo_step(cfg, folder: str, batch, normalizer, repeats: int) -> dict[s
                                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         t1 = time.perf_counter()
         texts = tokenizer.batch_decode(generated[:, width:], skip_special_tokens=True)
-        rewards = torch.tensor([verify_arithmetic(chunk[i // group], t).reward for i, t in enumerate(texts)])
+        rewards = torch.tensor([verify(chunk[i // group], t).reward for i, t in enumerate(texts)])
         compute_advantages(rewards, generated[:, width:] != tokenizer.pad_token_id, group, cfg.algorithm)
         t2 = time.perf_counter()
         # The learner's step on the batch relayrl trained: relayrl's scoring and loss, torch AdamW.
@@ -258,9 +260,11 @@ def plain_grpo_step(cfg, folder: str, batch, normalizer, repeats: int) -> dict[s
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=None,
+                        help="the job's YAML (default: the addition demo; deploy/configs/demo_longcot.yaml: long-CoT)")
     parser.add_argument("--steps", type=int, default=60, help="steps of the relayrl job")
     parser.add_argument("--skip", type=int, default=10, help="first steps left out of the medians (start-up)")
-    parser.add_argument("--plain-repeats", type=int, default=20, help="plain-torch steps measured")
+    parser.add_argument("--plain-repeats", type=int, default=20, help="plain-torch steps measured (0: none)")
     parser.add_argument("--out", default="runs/bench_step_profile")
     parser.add_argument("overrides", nargs="*", help="relayrl overrides, section.key=value")
     args = parser.parse_args(argv)
@@ -269,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     # Ray records its actors' per-call profile events (ray.timeline) only when this is set before it starts.
     os.environ["RAY_PROFILING"] = "1"
 
-    rows, summary, captured, cfg, actors = profile_relayrl(args.steps, out, args.overrides)
+    rows, summary, captured, cfg, actors = profile_relayrl(args.steps, out, args.overrides, args.config)
     batch = captured["batch"]
     steady = rows[args.skip:-1]  # the last row holds the end-of-run sync check
     keys = ["wait", "batch_build", "prepare", "learner", "publish_learner", "probe", "check", "step_call",
@@ -280,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         median[k] for k in ("batch_build", "prepare", "learner", "publish_learner", "probe", "check")))
     from cluster.model_folder import resolve_model_path
 
-    plain = plain_grpo_step(cfg, resolve_model_path(cfg), batch, captured["normalizer"], args.plain_repeats)
+    plain = (plain_grpo_step(cfg, resolve_model_path(cfg), batch, captured["normalizer"], args.plain_repeats)
+             if args.plain_repeats else {})
     result = {"steps": args.steps, "skip": args.skip, "driver_median_s": median, "driver_mean_s": mean,
               "actor_methods": actors, "plain_torch_median_s": plain,
               "summary_phase_seconds": summary.get("phase_seconds"), "train_seconds": summary.get("train_seconds"),
