@@ -75,6 +75,8 @@ class Trainer:
             raise checkpoint.CheckpointError(f"resuming the run in {resume_dir} needs output_dir={resume_dir}, got "
                                              f"output_dir={cfg.output_dir!r}: a resumed run continues in its folder")
         self.resume_from = checkpoint.find_resume_checkpoint(resume_dir) if resume_dir is not None else None
+        if cfg.gateway.enabled:  # an earlier run's file in this folder must not send agents to its dead endpoints
+            write_endpoints(cfg, [], ready=False, policy_version=0)
         if self.resume_from is not None:
             checkpoint.check_compatible(self.resume_from, cfg.model_dump(mode="json"), self.model_path)
         from transformers import AutoTokenizer

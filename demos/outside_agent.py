@@ -35,11 +35,13 @@ def read_endpoints(run_dir: Path) -> dict | None:
         return None
 
 
-async def wait_ready(run_dir: Path, poll_s: float = 0.5) -> dict | None:
-    """The endpoints once the run serves them; None once it has finished."""
+async def wait_ready(run_dir: Path, since: float, poll_s: float = 0.5) -> dict | None:
+    """The endpoints once the run serves them; None once it has finished. A `finished` file written before `since`
+    (time.time()) is an earlier run's in the same folder: this program may start before the run rewrites it."""
+    path = run_dir / "gateway" / "endpoints.json"
     while True:
         endpoints = read_endpoints(run_dir)
-        if endpoints is not None and endpoints["finished"]:
+        if endpoints is not None and endpoints["finished"] and path.stat().st_mtime >= since:
             return None
         if endpoints is not None and endpoints["ready"] and endpoints["workers"]:
             return endpoints
@@ -96,10 +98,13 @@ async def main(args: argparse.Namespace) -> Counter:
     counts: Counter = Counter()
     source = tasks(args.op, args.min_operand, args.max_operand, args.seed)
     played = 0
-    async with httpx.AsyncClient(timeout=60) as http:
+    since = time.time() - args.since_s
+    # no kept-alive connections: under load a group can outlast the server's keep-alive (5 s), and a request on a
+    # connection the server just closed fails
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_keepalive_connections=0)) as http:
         running: set[asyncio.Task] = set()
         while not args.tasks or played < args.tasks:
-            endpoints = await wait_ready(run_dir)
+            endpoints = await wait_ready(run_dir, since)
             if endpoints is None:
                 break
             if len(running) >= args.concurrency:
@@ -137,6 +142,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--op", default="*", choices=["+", "*"])
     parser.add_argument("--min-operand", type=int, default=100)
     parser.add_argument("--max-operand", type=int, default=9999)
+    parser.add_argument("--since-s", type=float, default=0.0,
+                        help="a finished run's endpoints file written more than this many seconds before this program "
+                             "started is an earlier run's, and is waited past (0: any written before the start)")
     parser.add_argument("--drain-s", type=float, default=30.0, help="how long to wait for groups still in play")
     return parser.parse_args(argv)
 
