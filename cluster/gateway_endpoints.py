@@ -35,6 +35,7 @@ def write_endpoints(cfg: RunConfig, worker_ids: Iterable[int], ready: bool, poli
     data = {"ready": ready and not finished, "finished": finished, "outside_only": cfg.gateway.outside_only,
             "policy_version": policy_version, "group_size": cfg.rollout.samples_per_prompt,
             "groups_per_step": cfg.learner.prompts_per_step, "session_timeout_s": cfg.gateway.session_timeout_s,
+            "max_calls_in_flight": cfg.gateway.max_calls_in_flight,
             "workers": workers}
     target = folder / ENDPOINTS_FILE
     temporary = folder / f".{ENDPOINTS_FILE}.{os.getpid()}"

@@ -74,7 +74,9 @@ async def play_session(http: httpx.AsyncClient, session: dict, task: dict, count
         result = await play(task, session["base_url"], session["api_key"])
     except (openai.OpenAIError, httpx.HTTPError) as err:
         counts["episodes_failed"] += 1
-        print(f"episode failed ({type(err).__name__}: {err}); its session is finished without a reward", flush=True)
+        if counts["episodes_failed"] <= 3:
+            print(f"episode failed ({type(err).__name__}: {err}); its session is finished without a reward",
+                  flush=True)
         await http.post(f"{root}/finish", headers=auth)
         return None
     # the dict's other keys (correct, calls) are kept as the sample's info; `correct` feeds the accuracy metrics
@@ -107,7 +109,10 @@ async def main(args: argparse.Namespace) -> Counter:
             endpoints = await wait_ready(run_dir, since)
             if endpoints is None:
                 break
-            if len(running) >= args.concurrency:
+            # as many groups as the endpoints serve calls at once (more would only be answered 429 and retried)
+            concurrency = args.concurrency or max(1, endpoints["max_calls_in_flight"] * len(endpoints["workers"])
+                                                  // endpoints["group_size"])
+            if len(running) >= concurrency:
                 done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 _count_failures(done, counts)
                 continue
@@ -130,14 +135,16 @@ def _count_failures(done: set[asyncio.Task], counts: Counter) -> None:
         err = task.exception()
         if err is not None:
             counts["groups_failed"] += 1
-            print(f"a group failed: {type(err).__name__}: {err}", flush=True)
+            if counts["groups_failed"] <= 3:  # (at the run's end, every group still opening fails alike)
+                print(f"a group failed: {type(err).__name__}: {err}", flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", help="the run's output_dir (it holds gateway/endpoints.json)")
     parser.add_argument("--tasks", type=int, default=0, help="tasks to play (each a group); 0: until the run ends")
-    parser.add_argument("--concurrency", type=int, default=16, help="groups played at once")
+    parser.add_argument("--concurrency", type=int, default=0,
+                        help="groups played at once; 0: gateway.max_calls_in_flight x endpoints / group size")
     parser.add_argument("--seed", type=int, default=0, help="the order of the problems")
     parser.add_argument("--op", default="*", choices=["+", "*"])
     parser.add_argument("--min-operand", type=int, default=100)

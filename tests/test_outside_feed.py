@@ -79,7 +79,8 @@ def test_the_endpoints_file_lists_the_workers_and_says_when_they_serve(tmp_path)
     data = json.loads(path.read_text())
     assert data["ready"] and not data["finished"] and data["outside_only"]
     assert [w["url"] for w in data["workers"]] == ["http://127.0.0.1:8001", "http://127.0.0.1:8000"]
-    assert (data["policy_version"], data["group_size"], data["groups_per_step"]) == (3, 4, 2)
+    assert (data["policy_version"], data["group_size"], data["groups_per_step"], data["max_calls_in_flight"]) == \
+        (3, 4, 2, 64)
     data = json.loads(write_endpoints(cfg, [0, 1], ready=True, policy_version=5, finished=True).read_text())
     assert data["finished"] and not data["ready"]  # a finished run serves nothing, whatever `ready` was asked
     assert sorted(p.name for p in folder.iterdir()) == ["endpoints.json", "worker-0.json", "worker-1.json"]
