@@ -2,7 +2,7 @@
 VENV ?= .venv
 ARGS ?=
 
-.PHONY: install train train-longcot train-tools train-tools-no-tools train-agent train-distill test bench
+.PHONY: install train train-longcot train-tools train-tools-no-tools train-agent train-outside train-distill test bench
 
 install:
 	VENV=$(VENV) bash deploy/install.sh
@@ -24,6 +24,12 @@ train-tools-no-tools: install
 # The agent demo (docs/agents.md): the products task played by an `openai` SDK agent through the session endpoint.
 train-agent: install
 	$(VENV)/bin/relayrl train --config deploy/configs/demo_agent.yaml $(ARGS)
+
+# A run fed by outside agents alone (docs/agents.md): the run serves its endpoints, and the agent program beside it
+# (demos/outside_agent.py, its own process) plays the products task through them until the run ends.
+train-outside: install
+	$(VENV)/bin/relayrl train --config deploy/configs/demo_outside.yaml $(ARGS) & \
+	$(VENV)/bin/python demos/outside_agent.py runs/demo_outside; wait
 
 # On-policy distillation (docs/distillation.md): a larger teacher, then RL, distillation and the mix from the same
 # student on the addition demo, with the teacher's sampled token and with its top-k (six jobs, one after the other;

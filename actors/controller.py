@@ -56,10 +56,13 @@ class RolloutController(LeaseBook, ScoringLists):
 
     def __init__(self, prompts: list[Prompt], prompts_per_step: int, max_staleness: int,
                  drop_zero_variance: bool, seed: int, num_workers: int = 1,
-                 clock: Callable[[], float] = time.monotonic, length_aware: bool = False) -> None:
+                 clock: Callable[[], float] = time.monotonic, length_aware: bool = False,
+                 from_data: bool = True) -> None:
         LeaseBook.__init__(self)
         ScoringLists.__init__(self)
-        self.cursor = PromptCursor(prompts, seed)
+        self.from_data = from_data
+        """False under gateway.outside_only: no prompt is leased (no data set); every group is a session group."""
+        self.cursor = PromptCursor(prompts, seed) if from_data else None
         self.prompts_per_step = prompts_per_step
         self.max_staleness = max_staleness
         self.num_workers = num_workers
@@ -101,7 +104,7 @@ class RolloutController(LeaseBook, ScoringLists):
     def _admit(self, worker_id: int, worker_version: int, max_groups: int, in_flight: int) -> list:
         """Up to `max_groups` prompts the worker may start now, as (group_id, prompt): groups to re-issue first,
         then new ones within the admission budget. `in_flight` is the number it is still generating."""
-        if worker_id in self.lost_workers:  # a call from a worker declared dead, still in flight when it died
+        if worker_id in self.lost_workers or not self.from_data:  # a dead worker's late call; outside-only
             return []
         if self.fair_share is not None:
             max_groups = min(max_groups, self.fair_share - in_flight)
@@ -280,7 +283,7 @@ class RolloutController(LeaseBook, ScoringLists):
             "queue/rescored_reward_worker_died": self.rescored,
             **{f"queue/rescored_{role}_worker_died": n for role, n in self.rescored_scorer.items()},
             "queue/rescored_critic_failed": self.rescored_critic,
-            "data/epoch": self.cursor.epoch,
+            "data/epoch": self.cursor.epoch if self.cursor is not None else 0,
         }
         out.update({f"queue/dropped_{reason}": n for reason, n in q.dropped.items()})
         if q.drop_zero_variance:
@@ -299,14 +302,15 @@ class RolloutController(LeaseBook, ScoringLists):
 
     def state_dict(self) -> dict:
         return {
-            "cursor": self.cursor.state_dict(),
+            "cursor": self.cursor.state_dict() if self.cursor is not None else None,
             "queue": self.queue.state_dict(),
             "admitted": self.admitted,
             **self._leases_state(),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.cursor.load_state_dict(state["cursor"])
+        if self.cursor is not None and state["cursor"] is not None:
+            self.cursor.load_state_dict(state["cursor"])
         self.queue.load_state_dict(state["queue"])
         self.admitted = state["admitted"]
         # (checkpoints before this one also hold "learner_version": the driver publishes its own after loading)

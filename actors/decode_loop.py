@@ -177,6 +177,9 @@ class DecodeLoop:
         """group id -> sampling parameters of each single call in flight (`start_call`)."""
         self.finished_calls: list[TrajectoryGroup] = []
         """Single calls that ended, for their caller to take (gateway/engine_bridge.py)."""
+        self.on_call_tokens: Callable[[str, list[int]], None] | None = None
+        """Called after each engine step with (call id, every id the call sampled so far) for each single call
+        that has not ended: what a streamed reply sends as it is sampled (gateway/engine_bridge.py)."""
 
     @property
     def groups_in_flight(self) -> int:
@@ -252,6 +255,8 @@ class DecodeLoop:
         sample.token_versions.extend([version] * (len(completion.token_ids) - seen))
         self.requests[out.request_id] = (sample, len(completion.token_ids))
         if not out.finished:
+            if self.on_call_tokens is not None and sample.group_id in self.calls:
+                self.on_call_tokens(sample.group_id, list(completion.token_ids))
             return None
         del self.requests[out.request_id]
         sample.response_token_ids.extend(completion.token_ids)

@@ -29,6 +29,12 @@ class PolicySettings:
     max_staleness > 0); otherwise drain the engine first."""
     legacy: bool = False
     """The per-decode-step loop the workers ran before, for measuring it."""
+    leases: bool = True
+    """Ask the controller for prompts. False under gateway.outside_only: the worker's groups are the sessions
+    outside agents open on its endpoint."""
+    report_every_s: float | None = None
+    """Call `sync` at least this often, to hand over fresh counters (gateway.outside_only: the driver's waits
+    report the endpoint's sessions from them); None: only when there is work to hand over or ask for."""
 
     @classmethod
     def from_run(cls, cfg) -> "PolicySettings":
@@ -36,7 +42,9 @@ class PolicySettings:
         return cls(prompts_in_flight=cfg.rollout.prompts_in_flight,
                    min_groups_per_request=cfg.rollout.min_groups_per_request,
                    poll_interval_s=cfg.rollout.poll_interval_s,
-                   partial_rollouts=cfg.train.partial_rollouts and cfg.train.max_staleness > 0)
+                   partial_rollouts=cfg.train.partial_rollouts and cfg.train.max_staleness > 0,
+                   leases=not cfg.gateway.outside_only,
+                   report_every_s=cfg.fault.health_check_s if cfg.gateway.outside_only else None)
 
 
 class WorkerPolicy:
@@ -57,6 +65,7 @@ class WorkerPolicy:
         self.scored: list[tuple[str, object]] = []
         """(group_id, scored group or its ObjectRef) ready to hand over."""
         self.held_since: float | None = None
+        self.last_request_at: float | None = None
         self.dropped: dict[str, list[str]] = {}
         self.versions_seen = [loaded_version]
         self.max_in_flight = settings.prompts_in_flight
@@ -91,7 +100,7 @@ class WorkerPolicy:
     # --- decisions -----------------------------------------------------------------------------------------
     def want(self, in_flight: int) -> int:
         """Groups to ask for now: free slots, but none while newer weights wait to be loaded."""
-        if self.stopped or self.newer is not None:
+        if self.stopped or self.newer is not None or not self.settings.leases:
             return 0
         return max(0, self.max_in_flight - in_flight)
 
@@ -108,6 +117,9 @@ class WorkerPolicy:
         if self.scored and (len(self.scored) >= self.threshold or in_flight == 0
                             or now >= self.deadline() - 1e-9):  # (the simulator's clock has float noise)
             return True
+        every = s.report_every_s
+        if every is not None and now - (self.last_request_at or 0.0) >= every:
+            return True
         return bool(self.dropped)
 
     def deadline(self) -> float | None:
@@ -121,6 +133,7 @@ class WorkerPolicy:
         req = SyncRequest(worker_id=self.worker_id, version=self.loaded_version, in_flight=in_flight,
                           want=self.want(in_flight), scored=self.scored, dropped=self.dropped, stats=stats)
         self.scored, self.dropped, self.held_since = [], {}, None
+        self.last_request_at = now
         self.synced, self.woken = True, False
         return req
 

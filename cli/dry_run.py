@@ -227,7 +227,11 @@ def dry_run(cfg: RunConfig, node_specs: list[str] | None = None) -> tuple[list[C
     checks = [check_settings(cfg)]
     model_check, tokenizer, cfg = check_model(cfg)
     checks.append(model_check)
-    checks += [check_data(cfg, "train", tokenizer), check_data(cfg, "test", tokenizer)]
+    if cfg.gateway.outside_only:  # outside agents bring the tasks; the trainer loads no data set
+        checks.append(Check("data", "ok", "none loaded: gateway.outside_only=true trains the sessions outside agents "
+                                          "open (RUN/gateway/endpoints.json)"))
+    else:
+        checks += [check_data(cfg, "train", tokenizer), check_data(cfg, "test", tokenizer)]
     placement_check, plan_text = check_placement(cfg, list(node_specs or []))
     checks.append(placement_check)
     lines = ["dry run: nothing was started", ""]

@@ -8,17 +8,21 @@ whose death restarts the critic group (cluster/critic_pool.py). Each wait is bou
 its error. Learner ranks are not replaced: cluster/learner_failure.py stops the run naming the lost rank.
 """
 
+import logging
 import time
 from collections import Counter
 
 import ray
 
+from cluster.gateway_endpoints import session_totals, stall_message, waiting_line
 from cluster.worker_pool import WorkerLost, WorkerPool
 from protocols.config import RunConfig
 from protocols.trajectory import TrajectoryGroup
 from protocols.weight_announcement import WeightAnnouncement
 
 __all__ = ["Supervisor", "WorkerLost"]
+
+log = logging.getLogger(__name__)
 
 
 class Supervisor:
@@ -72,11 +76,12 @@ class Supervisor:
 
     def wait_batch(self, version: int) -> tuple[list[TrajectoryGroup], float]:
         """The next training batch (a long poll on the controller), checking worker health every
-        fault.health_check_s. Fails after fault.batch_timeout_s without one (time spent replacing workers
-        excluded)."""
+        fault.health_check_s and logging what it waits for every fault.wait_log_s. Fails after
+        fault.batch_timeout_s without one (time spent replacing workers excluded)."""
         fault = self.cfg.fault
         start = time.perf_counter()
         deadline = time.monotonic() + fault.batch_timeout_s
+        next_line = time.monotonic() + fault.wait_log_s
         while True:
             before = sum(self.replaced.values())
             t0 = time.monotonic()
@@ -87,12 +92,19 @@ class Supervisor:
                              timeout=fault.health_check_s + fault.worker_start_timeout_s)
             if groups is not None:
                 return groups, time.perf_counter() - start
-            if time.monotonic() > deadline:
-                stats = ray.get(self.controller.stats.remote())
-                raise TimeoutError(
-                    f"no training batch for policy version {version} within fault.batch_timeout_s="
-                    f"{fault.batch_timeout_s} (queue depth {stats['queue/depth']}, in flight "
-                    f"{stats['queue/in_flight']}, every worker alive); raise it if generation is that slow")
+            now = time.monotonic()
+            if now > deadline:
+                raise TimeoutError(stall_message(self.cfg, version, *self._wait_state()))
+            if now >= next_line:
+                next_line = now + fault.wait_log_s
+                log.warning(waiting_line(self.cfg, version, time.perf_counter() - start, *self._wait_state()))
+
+    def _wait_state(self) -> tuple[dict, dict]:
+        """The queue's counters and the session endpoints' (summed over the workers' last reports)."""
+        queue = ray.get(self.controller.stats.remote())
+        sessions = (session_totals(ray.get(self.controller.get_worker_stats.remote()))
+                    if self.cfg.gateway.enabled else {})
+        return queue, sessions
 
     # --- counts -----------------------------------------------------------------------------------------------
     def workers(self, role: str) -> list:

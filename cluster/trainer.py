@@ -18,6 +18,7 @@ from actors.controller import ControllerActor
 from cli.plots import plot_after_run
 from cluster import checkpoint
 from cluster.evaluation import evaluate, evaluate_sets, load_eval_sets
+from cluster.gateway_endpoints import write_endpoints
 from cluster.learner_group import LearnerGroup
 from cluster.model_folder import fit_lengths_to_model, resolve_model_path
 from cluster.placement import create_placement, precheck_embedded
@@ -74,6 +75,8 @@ class Trainer:
             raise checkpoint.CheckpointError(f"resuming the run in {resume_dir} needs output_dir={resume_dir}, got "
                                              f"output_dir={cfg.output_dir!r}: a resumed run continues in its folder")
         self.resume_from = checkpoint.find_resume_checkpoint(resume_dir) if resume_dir is not None else None
+        if cfg.gateway.enabled:  # an earlier run's file in this folder must not send agents to its dead endpoints
+            write_endpoints(cfg, [], ready=False, policy_version=0)
         if self.resume_from is not None:
             checkpoint.check_compatible(self.resume_from, cfg.model_dump(mode="json"), self.model_path)
         from transformers import AutoTokenizer
@@ -82,11 +85,17 @@ class Trainer:
         # weight_sync.verify_every: the probe is built (and refused if it does not fit the engines) before any actor
         self.weight_check = (WeightCheck(cfg, len(tokenizer), cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens)
                              if cfg.weight_sync.verify_every else None)
-        tools = prompt_tools(cfg.tools)
-        self.train_prompts, self.data_counts = load_prompts(cfg.data, "train", tokenizer, tools)
-        self.eval_prompts, eval_counts = load_prompts(cfg.data, "test", tokenizer, tools)
-        self.eval_prompts = self.eval_prompts[: cfg.data.num_eval_prompts]
-        self.data_counts = {k: self.data_counts.get(k, 0) + eval_counts.get(k, 0) for k in {**self.data_counts, **eval_counts}}
+        self.train_prompts, self.eval_prompts, self.data_counts = [], [], {}
+        if cfg.gateway.outside_only:  # outside agents bring the tasks: no data set, no held-out split
+            log.warning("gateway.outside_only=true: the run leases no prompts and loads no data set; its groups are "
+                        "the sessions outside agents open (RUN/gateway/endpoints.json, docs/agents.md)")
+        else:
+            tools = prompt_tools(cfg.tools)
+            self.train_prompts, self.data_counts = load_prompts(cfg.data, "train", tokenizer, tools)
+            self.eval_prompts, eval_counts = load_prompts(cfg.data, "test", tokenizer, tools)
+            self.eval_prompts = self.eval_prompts[: cfg.data.num_eval_prompts]
+            self.data_counts = {k: self.data_counts.get(k, 0) + eval_counts.get(k, 0)
+                                for k in {**self.data_counts, **eval_counts}}
         # train.eval_sets for the evaluation harness, loaded (and a bad file refused) before any actor starts
         self.eval_sets = load_eval_sets(cfg, tokenizer)
         start_ray(cfg)
@@ -97,7 +106,7 @@ class Trainer:
             num_cpus=0, max_concurrency=max(1000, 2 * cfg.rollout.num_workers + 64)).remote(
             self.train_prompts, cfg.learner.prompts_per_step, cfg.train.max_staleness,
             cfg.algorithm.dynamic_sampling, cfg.train.seed, cfg.rollout.num_workers,
-            length_aware=cfg.rollout.length_aware_dispatch)
+            length_aware=cfg.rollout.length_aware_dispatch, from_data=not cfg.gateway.outside_only)
         # A pool per role (cluster/pools.py). Every role's actors start, none waited for, while the learner group
         # starts here; then each pool waits for its own, the critic's ranks first (they join their group). The starts
         # overlap: an engine start and a DeepSpeed group start each take tens of seconds, much of it waiting.
@@ -207,8 +216,9 @@ class Trainer:
             self.accuracy_before = evaluate(self.rollout_workers, self.eval_prompts, self.reward_workers, cfg.reward,
                                             report=self.eval_before)
         accuracy_before, eval_before = self.accuracy_before, self.eval_before
-        log.warning("held-out accuracy before training: %.3f", accuracy_before)
-        self.supervisor.start_runs()
+        if self.eval_prompts:
+            log.warning("held-out accuracy before training: %.3f", accuracy_before)
+        self._start_runs()
         inbox = ScaleInbox(folder.path)  # `relayrl scale RUN_DIR ...` requests, applied between steps
         totals = self.totals
         bar = tqdm(range(self.version, cfg.train.steps), desc="train", dynamic_ncols=True)
@@ -223,6 +233,7 @@ class Trainer:
             if cfg.train.eval_every and self.version % cfg.train.eval_every == 0 and self.version < cfg.train.steps:
                 metrics["eval/accuracy"] = self._evaluate_midway(report=metrics)
             metrics.update(self.scaling.after_step(metrics, self.version, inbox))
+            self._write_endpoints(ready=True)  # the new version, and the endpoints of replaced or added workers
             if cfg.train.save_every and self.version % cfg.train.save_every == 0:
                 self.save_checkpoint(folder.path)
             if self.version % cfg.train.log_every == 0:
@@ -236,7 +247,7 @@ class Trainer:
                 folder.log(self.version, metrics)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", acc=f"{metrics['reward/accuracy']:.2f}")
         self.scaling.settle(inbox, self.version)  # a resize under way ends, for the last evaluation
-        self.supervisor.stop_runs()
+        self._stop_runs(finished=True)
         worker_reports = self.supervisor.reports()
         self.supervisor.ensure_alive()
         self._sync_idle_workers()
@@ -244,7 +255,10 @@ class Trainer:
         eval_after: dict = {}
         accuracy_after = evaluate(self.rollout_workers, self.eval_prompts, self.reward_workers, cfg.reward,
                                   report=eval_after)
-        log.warning("held-out accuracy after training: %.3f", accuracy_after)
+        if self.eval_prompts:
+            log.warning("held-out accuracy after training: %.3f", accuracy_after)
+        else:  # (outside-only: no held-out split)
+            accuracy_before = accuracy_after = None
         eval_after.update(evaluate_sets(self.rollout_workers, self.reward_workers, self.eval_sets, cfg, self.version))
         self.learner.save_hf(folder.final_model_dir)
         for pool in self.pools.values():  # the critic's final_critic beside final_model
@@ -379,7 +393,7 @@ class Trainer:
 
     def _evaluate_midway(self, report: dict | None = None) -> float:
         """Pause generation, evaluate with the newest weights, and restart the workers."""
-        self.supervisor.stop_runs()
+        self._stop_runs()
         self.supervisor.ensure_alive()
         self._sync_idle_workers()
         accuracy = evaluate(self.rollout_workers, self.eval_prompts, self.reward_workers, self.cfg.reward,
@@ -388,10 +402,24 @@ class Trainer:
             report.update(evaluate_sets(self.rollout_workers, self.reward_workers, self.eval_sets, self.cfg,
                                         self.version))
         ray.get(self.controller.resume.remote())
-        self.supervisor.start_runs()
+        self._start_runs()
         return accuracy
 
+    def _start_runs(self) -> None:
+        self.supervisor.start_runs()
+        self._write_endpoints(ready=True)
+
+    def _stop_runs(self, finished: bool = False) -> None:
+        self._write_endpoints(ready=False, finished=finished)  # agents hold off before calls start to wait
+        self.supervisor.stop_runs()
+
+    def _write_endpoints(self, ready: bool, finished: bool = False) -> None:
+        """gateway.enabled: RUN/gateway/endpoints.json, the endpoints and whether they serve calls now."""
+        if self.cfg.gateway.enabled:
+            write_endpoints(self.cfg, self.supervisor.rollout_ids, ready, self.version, finished)
+
     def shutdown(self) -> None:
+        self._write_endpoints(ready=False, finished=True)  # also after a run that raised
         self.scaling.release()
         self.learner.shutdown()
         for pool in self.pools.values():

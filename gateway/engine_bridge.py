@@ -46,17 +46,29 @@ class CallInbox:
         self.make_params = make_params
         self._new: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: dict[str, Future] = {}
+        self._listeners: dict[str, Callable[[list[int]], None]] = {}
+        """call id -> what hears its sampled ids after each engine step, for a streamed call (`submit`)."""
         self._count = 0
         self._lock = threading.Lock()
 
-    def submit(self, prompt_ids: list[int], max_tokens: int) -> Future:
-        """A future of the call's CallResult (or CallAborted); thread-safe."""
+    def submit(self, prompt_ids: list[int], max_tokens: int,
+               on_tokens: Callable[[list[int]], None] | None = None) -> Future:
+        """A future of the call's CallResult (or CallAborted); thread-safe. `on_tokens`, if given, is called from
+        the decode loop's thread after each engine step that sampled for the call, with every id sampled so far
+        (not after the last: the result has them); it must not block."""
         with self._lock:
             self._count += 1
             call_id = f"{GATEWAY_PREFIX}{self._count}"
         future: Future = Future()
+        if on_tokens is not None:
+            self._listeners[call_id] = on_tokens
         self._new.put((call_id, list(prompt_ids), max_tokens, future))
         return future
+
+    def _heard(self, call_id: str, ids: list[int]) -> None:
+        listener = self._listeners.get(call_id)
+        if listener is not None:
+            listener(ids)
 
     @property
     def in_flight(self) -> int:
@@ -66,12 +78,15 @@ class CallInbox:
         """From the decode loop's thread: complete the calls that ended (or that an abort dropped), then start the
         new ones unless `start_new` is False (the loop is about to stop: a call started then would stay in the
         engine and be stepped by the next offline `generate`, evaluation's, which cannot tell it from its own)."""
+        decoding.on_call_tokens = self._heard
         for group in decoding.finished_calls:
+            self._listeners.pop(group.group_id, None)
             future = self._pending.pop(group.group_id, None)
             if future is not None:
                 future.set_result(CallResult.of(group.trajectories[0]))
         decoding.finished_calls.clear()
         for call_id in [c for c in self._pending if c not in decoding.calls]:
+            self._listeners.pop(call_id, None)
             self._pending.pop(call_id).set_exception(CallAborted(f"{call_id} was aborted by its engine"))
         while start_new:
             try:
@@ -79,6 +94,7 @@ class CallInbox:
             except queue.Empty:
                 break
             if future.cancelled():
+                self._listeners.pop(call_id, None)
                 continue
             self._pending[call_id] = future
             decoding.start_call(call_id, prompt_ids, self.make_params(max_tokens))
@@ -94,6 +110,7 @@ class CallInbox:
         for future in self._pending.values():
             future.set_exception(CallAborted(reason))
         self._pending.clear()
+        self._listeners.clear()
 
 
 class EngineThread:

@@ -1,7 +1,7 @@
 """The session endpoint's HTTP surface (FastAPI, served by uvicorn in a thread on 127.0.0.1): what an agent program
 written with the stock `openai` SDK talks to. Each call's prompt is built by the session's episode
 (gateway/episode.py), sampled by the engine through the decode loop (gateway/engine_bridge.py), its tool calls
-read by gateway/hermes.py, and answered as plain OpenAI JSON (or SSE when streamed).
+read by gateway/hermes.py, and answered as plain OpenAI JSON, or streamed as SSE chunks while the engine samples.
 
     POST /sessions                                -> {session_id, base_url, api_key, expires_in_s}
     GET  /sessions/{id}/v1/models
@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from gateway.engine_bridge import CallAborted, CallInbox, CallResult
 from gateway.episode import ChatCall
-from gateway.hermes import parse_hermes
+from gateway.hermes import CALL_START, parse_hermes
 from gateway.sessions import Session, SessionBook, SessionError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -176,6 +176,9 @@ def build_app(book: SessionBook, inbox: CallInbox, settings: ServeSettings, base
             raise SessionError(400, f"max_tokens={asked!r}: a positive integer")
         max_tokens = min(asked or settings.max_tokens, settings.max_tokens, room)
         book.counts["clamped_max_tokens"] += asked is not None and max_tokens < asked
+        if chat and body.get("stream"):
+            return StreamingResponse(stream(session, body, call, plan, tools_on, max_tokens),
+                                     media_type="text/event-stream")
         session.calls_in_flight += 1
         try:
             result: CallResult = await asyncio.wrap_future(inbox.submit(plan.prompt_ids, max_tokens))
@@ -191,8 +194,23 @@ def build_app(book: SessionBook, inbox: CallInbox, settings: ServeSettings, base
             book.lose_call(session)
             raise SessionError(499, "the client disconnected before its reply; the session will not be trained")
         calls_made[0] += 1
+        message, finish, usage = record(session, call, plan, result, tools_on, calls_made[0])
+        reply_id = f"{'chatcmpl' if chat else 'cmpl'}-{session.session_id}-{calls_made[0]}"
+        created = int(time.time())
+        if not chat:
+            return {"id": reply_id, "object": "text_completion", "created": created, "model": settings.model_name,
+                    "choices": [{"index": 0, "text": message["content"] or "", "finish_reason": result.finish_reason,
+                                 "logprobs": None}], "usage": usage}
+        return {"id": reply_id, "object": "chat.completion", "created": created, "model": settings.model_name,
+                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+                "usage": usage}
+
+    def record(session: Session, call: ChatCall, plan, result: CallResult, tools_on: bool,
+               number: int) -> tuple[dict, str, dict]:
+        """The call's reply as an OpenAI message, recorded in the session's episode: (message, finish reason,
+        usage)."""
         text = tokenizer.decode(result.sampled_ids, skip_special_tokens=True)
-        reply = parse_hermes(text, f"call_{session.session_id}_{calls_made[0]}") if tools_on else None
+        reply = parse_hermes(text, f"call_{session.session_id}_{number}") if tools_on else None
         if reply is not None and reply.error:
             book.counts["tool_parse_failures"] += 1
         message = reply.message() if reply is not None else {"role": "assistant", "content": text}
@@ -202,18 +220,66 @@ def build_app(book: SessionBook, inbox: CallInbox, settings: ServeSettings, base
         finish = "tool_calls" if message.get("tool_calls") else result.finish_reason
         usage = {"prompt_tokens": len(plan.prompt_ids), "completion_tokens": len(result.sampled_ids),
                  "total_tokens": len(plan.prompt_ids) + len(result.sampled_ids)}
-        reply_id = f"{'chatcmpl' if chat else 'cmpl'}-{session.session_id}-{calls_made[0]}"
-        created = int(time.time())
-        if not chat:
-            return {"id": reply_id, "object": "text_completion", "created": created, "model": settings.model_name,
-                    "choices": [{"index": 0, "text": text, "finish_reason": result.finish_reason,
-                                 "logprobs": None}], "usage": usage}
-        if not body.get("stream"):
-            return {"id": reply_id, "object": "chat.completion", "created": created, "model": settings.model_name,
-                    "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
-                    "usage": usage}
-        return StreamingResponse(_sse(reply_id, created, settings.model_name, message, finish, usage, body,
-                                      lambda: book.lose_call(session)), media_type="text/event-stream")
+        return message, finish, usage
+
+    async def stream(session: Session, body: dict, call: ChatCall, plan, tools_on: bool,
+                     max_tokens: int) -> AsyncIterator[str]:
+        """A streamed chat call as OpenAI chat.completion.chunk events: the content as the engine samples it
+        (after each engine step, decoded whole and sent from where the last event ended; with tools, text that
+        may start a `<tool_call>` waits), then at the end the rest of the content, each tool call, the finish
+        and the usage. A client that leaves before the last event lost the call: its session is not trained."""
+        loop = asyncio.get_running_loop()
+        heard: asyncio.Queue = asyncio.Queue()
+        calls_made[0] += 1
+        number = calls_made[0]
+        send = _Chunks(f"chatcmpl-{session.session_id}-{number}", int(time.time()), settings.model_name)
+        session.calls_in_flight += 1
+        running, done, news = True, False, None
+        try:
+            future = asyncio.wrap_future(inbox.submit(
+                plan.prompt_ids, max_tokens, lambda ids: loop.call_soon_threadsafe(heard.put_nowait, ids)))
+            yield send({"role": "assistant", "content": ""})
+            sent = ""
+            while not future.done():
+                news = asyncio.ensure_future(heard.get())
+                await asyncio.wait({future, news}, return_when=asyncio.FIRST_COMPLETED)
+                if not news.done():
+                    news.cancel()
+                    break
+                ids = news.result()
+                while not heard.empty():  # each holds every id so far: the newest says all
+                    ids = heard.get_nowait()
+                text = _streamable(tokenizer.decode(ids, skip_special_tokens=True), tools_on)
+                if len(text) > len(sent) and text.startswith(sent):
+                    yield send({"content": text[len(sent):]})
+                    sent = text
+            try:
+                result: CallResult = future.result()
+            except CallAborted:
+                book.lose_call(session)
+                done = True
+                yield _error_event(503, "the engine aborted this call; the session will not be trained")
+                return
+            message, finish, usage = record(session, call, plan, result, tools_on, number)
+            session.calls_in_flight -= 1  # recorded: a reward may come as soon as the client reads the end
+            running = False
+            rest = (message.get("content") or "")[len(sent):]
+            if rest:
+                yield send({"content": rest})
+            for i, tool_call in enumerate(message.get("tool_calls") or []):
+                yield send({"tool_calls": [{"index": i, **tool_call}]})
+            yield send({}, finish)
+            if (body.get("stream_options") or {}).get("include_usage"):
+                yield send.usage(usage)
+            yield "data: [DONE]\n\n"
+            done = True
+        finally:
+            if news is not None and not news.done():  # the client left while the stream waited
+                news.cancel()
+            if running:
+                session.calls_in_flight -= 1
+            if not done:
+                book.lose_call(session)
 
     return app
 
@@ -235,38 +301,40 @@ def _chat_call(body: dict) -> tuple[ChatCall, bool]:
     return ChatCall(messages, tools, args), tools_on
 
 
-async def _sse(reply_id: str, created: int, model: str, message: dict, finish: str, usage: dict, body: dict,
-               on_lost) -> AsyncIterator[str]:
-    """The reply as OpenAI chat.completion.chunk events: the role, the content, each tool call, the finish. A
-    client that leaves before the last event lost the call (`on_lost`): its session is not trained."""
-    done = False
-    try:
-        async for event in _events(reply_id, created, model, message, finish, usage, body):
-            yield event
-        done = True
-    finally:
-        if not done:
-            on_lost()
+def _streamable(text: str, tools_on: bool) -> str:
+    """The part of a reply's text so far that a stream may send: not a trailing partial character (decoded as
+    U+FFFD), and with tools not from a `<tool_call>` on, nor a tail that may begin one, since the final parse
+    (gateway/hermes.py) takes calls out of the content from there."""
+    text = text.rstrip("\ufffd")
+    if not tools_on:
+        return text
+    at = text.find(CALL_START)
+    if at >= 0:
+        return text[:at]
+    for k in range(min(len(CALL_START) - 1, len(text)), 0, -1):
+        if text.endswith(CALL_START[:k]):
+            return text[:-k]
+    return text
 
 
-async def _events(reply_id: str, created: int, model: str, message: dict, finish: str, usage: dict,
-                  body: dict) -> AsyncIterator[str]:
-    def chunk(delta: dict, finish_reason: str | None = None, **extra: Any) -> str:
-        data = {"id": reply_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}], **extra}
+class _Chunks:
+    """One streamed reply's chat.completion.chunk events."""
+
+    def __init__(self, reply_id: str, created: int, model: str) -> None:
+        self.head = {"id": reply_id, "object": "chat.completion.chunk", "created": created, "model": model}
+
+    def __call__(self, delta: dict, finish_reason: str | None = None) -> str:
+        data = {**self.head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
+                                          "logprobs": None}]}
         return f"data: {json.dumps(data)}\n\n"
 
-    yield chunk({"role": "assistant", "content": ""})
-    if message.get("content"):
-        yield chunk({"content": message["content"]})
-    for i, call in enumerate(message.get("tool_calls") or []):
-        yield chunk({"tool_calls": [{"index": i, **call}]})
-    yield chunk({}, finish)
-    if (body.get("stream_options") or {}).get("include_usage"):
-        data = {"id": reply_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [], "usage": usage}
-        yield f"data: {json.dumps(data)}\n\n"
-    yield "data: [DONE]\n\n"
+    def usage(self, usage: dict) -> str:
+        return f"data: {json.dumps({**self.head, 'choices': [], 'usage': usage})}\n\n"
+
+
+def _error_event(status: int, message: str) -> str:
+    """An error after the stream began (its status was already sent): the SDK raises it as an APIError."""
+    return f"data: {json.dumps({'error': {'message': message, 'type': 'session_error', 'code': status}})}\n\n"
 
 
 class GatewayServer:

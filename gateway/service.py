@@ -62,7 +62,7 @@ class GatewayService:
 
     def report(self) -> dict[str, float]:
         return {**self.book.counts, "calls_in_flight": self.inbox.in_flight,
-                "open_sessions": self.book.open_sessions,
+                "open_sessions": self.book.open_sessions, "groups_open": self.book.open_groups,
                 **(self.agents.report() if self.agents is not None else {})}
 
     def stop(self) -> None:

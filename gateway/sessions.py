@@ -8,7 +8,10 @@ mid-call) is not trained, and is counted. Sessions created with the same `group`
 several times) form one group of `group_size` sessions, whose baseline compares them; sessions created without a
 key fill anonymous groups in arrival order. A group goes on once all its sessions have finished, if it holds
 exactly `train_group_size` samples (the learner's group size, rollout.samples_per_prompt); otherwise it is
-dropped and counted (`groups_wrong_size`): an untrained session or a split episode changes the count.
+dropped and counted (`groups_wrong_size`: an untrained session or a split episode changes the count;
+`groups_untrained`: no session has a reward). A group whose sessions are not all opened within the session
+timeout of its first is dropped (`groups_incomplete`), and its key starts a new group; groups still forming are
+`groups_open` in the report (at the end of a run: never trained).
 
 A group created for a prompt the controller leased to the worker (an in-process agent's, gateway/agent_runner.py)
 carries the lease's group id, so it ends that lease; when it is dropped, its id and reason go to `dropped_groups`
@@ -35,12 +38,13 @@ KEEP_FINISHED_S = 600.0
 """A finished session is remembered this long (a late call or reward is answered 410, not 404), then forgotten."""
 COUNTER_NAMES = ("sessions", "sessions_rewarded", "sessions_no_reward", "sessions_lost", "calls", "calls_refused",
                  "calls_lost", "tool_parse_failures", "clamped_max_tokens", "ignored_sampling", "samples",
-                 "retries", "retry_orphans", "staleness_cuts", "groups", "groups_wrong_size", *(f"splits_{r}" for r in SPLIT_REASONS))
+                 "retries", "retry_orphans", "staleness_cuts", "groups_opened", "groups", "groups_wrong_size",
+                 "groups_untrained", "groups_incomplete", *(f"splits_{r}" for r in SPLIT_REASONS))
 """`counts` keys, all present from the start: sessions opened, trained, finished without reward, lost; calls
 served, refused (429), lost; replies whose tool calls did not parse; requests whose max_tokens was lowered or whose
 temperature/top_p/n/stop were overridden by the run's; samples and groups handed to training; retried calls and
-the orphans dropped; calls cut from samples as too stale; groups trained and groups dropped for their size; new
-segments by reason."""
+the orphans dropped; calls cut from samples as too stale; groups opened, handed to training, and dropped for their
+number of samples, for having no rewarded session, or for not filling in time; new segments by reason."""
 
 
 class SessionError(Exception):
@@ -77,6 +81,11 @@ class _Group:
     sessions: list[Session] = field(default_factory=list)
     leased: bool = False
     """Created for a group the controller leased (`create(..., leased=True)`): its drop is reported."""
+    fill_by: float = 0.0
+    """time.monotonic() by which all its sessions must be opened (its first's deadline); past it, not yet full,
+    it is dropped as incomplete."""
+    closed: bool = False
+    """Went to training or was dropped: it takes no session and is never emitted again."""
 
 
 class SessionBook:
@@ -113,6 +122,13 @@ class SessionBook:
         c = self.counts
         return c["sessions"] - c["sessions_rewarded"] - c["sessions_no_reward"] - c["sessions_lost"]
 
+    @property
+    def open_groups(self) -> int:
+        """Groups opened and neither trained nor dropped yet: still forming (from counters, as `open_sessions`)."""
+        c = self.counts
+        return c["groups_opened"] - c["groups"] - c["groups_wrong_size"] - c["groups_untrained"] - \
+            c["groups_incomplete"]
+
     def create(self, group: str | None = None, group_size: int | None = None,
                timeout_s: float | None = None, leased: bool = False) -> Session:
         """A new session in `group` (None: the open anonymous group) of `group_size` sessions (None: the
@@ -138,6 +154,8 @@ class SessionBook:
             raise SessionError(409, f"group {group!r} has size {g.size} and {len(g.sessions)} sessions; a group's "
                                "sessions share one group_size and it cannot grow past it")
         timeout = self.timeout_s if timeout_s is None else min(float(timeout_s), self.timeout_s)
+        if not g.sessions:
+            g.fill_by = self.clock() + self.timeout_s
         session = Session(session_id, key, g, self.clock() + timeout, Episode(self.renderer, self.history))
         g.sessions.append(session)
         self.sessions[session_id] = session
@@ -149,6 +167,7 @@ class SessionBook:
         self._serial += 1
         g = _Group(size, key if leased else f"{SESSION_GROUP_PREFIX}{self.worker_id}/{self._serial}/{key}",
                    leased=leased)
+        self.counts["groups_opened"] += 1
         self.groups[g.group_id] = g
         if key != "anonymous":
             self.groups[key] = g
@@ -237,9 +256,17 @@ class SessionBook:
         session.lost = True
         self.counts["calls_lost"] += 1
 
-    def _emit(self, group: "_Group") -> None:
+    def _close(self, group: "_Group") -> None:
+        group.closed = True
+        if self._anonymous is group:
+            self._anonymous = None
         for name in [k for k, g in self.groups.items() if g is group]:
             del self.groups[name]
+
+    def _emit(self, group: "_Group") -> None:
+        if group.closed:
+            return
+        self._close(group)
         trajectories = []
         for s in group.sessions:
             if s.lost or s.reward is None:
@@ -256,14 +283,19 @@ class SessionBook:
             self.counts["groups"] += 1
             self.finished_groups.put(TrajectoryGroup(group_id=group.group_id, trajectories=trajectories))
             return
-        self.counts["groups_wrong_size"] += bool(trajectories)
+        self.counts["groups_wrong_size" if trajectories else "groups_untrained"] += 1
         if group.leased:  # (an untrained session, or samples that do not number the group's size: split episodes)
             untrained = any(s.lost or s.reward is None for s in group.sessions)
             self.dropped_groups.put((group.group_id, "sessions_untrained" if untrained else "group_wrong_size"))
 
     def sweep(self) -> None:
-        """Finish the sessions past their deadline (no calls in flight: a call in flight ends first)."""
+        """Finish the sessions past their deadline (no calls in flight: a call in flight ends first); drop the
+        groups that did not fill in time."""
         now = self.clock()
+        for group in {id(g): g for g in self.groups.values()}.values():
+            if not group.leased and len(group.sessions) < group.size and now >= group.fill_by:
+                self._close(group)
+                self.counts["groups_incomplete"] += 1
         for session in list(self.sessions.values()):
             if not session.finished and now >= session.deadline and not session.calls_in_flight:
                 self.finish(session)

@@ -118,6 +118,11 @@ class FaultConfig(BaseModel):
     """Longest one learner or critic call (a training step, a weight publish, a values pass, a save) may take on
     every rank."""
 
+    wait_log_s: float = Field(60.0, gt=0, le=86_400)
+    """While the driver waits for a batch, it logs what it waits for every this many seconds (groups queued and in
+    flight; with gateway.outside_only, the sessions outside agents opened, rewarded and left without a reward,
+    and where the endpoints are listed), so a stalled run says why before fault.batch_timeout_s ends it."""
+
     max_rescore_attempts: int = Field(2, ge=0, le=100)
     """Times a group whose reward (or reference) worker died is sent to a live one before it is dropped
     (counted as `queue/dropped_reward_worker_died` or `queue/dropped_reference_worker_died`)."""
@@ -315,7 +320,27 @@ class RunConfig(BaseModel):
             raise ValueError(
                 f"gateway.agent={self.gateway.agent!r} with gateway.enabled=false: the agent plays its sessions on "
                 "the rollout workers' endpoints; set gateway.enabled=true, or leave gateway.agent empty")
+        if self.gateway.outside_only:
+            self._check_outside_only()
         return self
+
+    def _check_outside_only(self) -> None:
+        """gateway.outside_only: what needs the run's own prompts, refused before any actor starts."""
+        if not self.gateway.enabled:
+            raise ValueError(
+                "gateway.outside_only=true with gateway.enabled=false: outside agents feed the run through the "
+                "session endpoints, which gateway.enabled serves; set gateway.enabled=true")
+        if self.gateway.agent:
+            raise ValueError(
+                f"gateway.outside_only=true with gateway.agent={self.gateway.agent!r}: the in-process agent plays the "
+                "prompts the run leases from its data set, and an outside-only run leases none. Leave gateway.agent "
+                "empty (run your agent outside: demos/outside_agent.py), or set gateway.outside_only=false")
+        if self.train.eval_every:
+            raise ValueError(
+                f"gateway.outside_only=true with train.eval_every={self.train.eval_every}: held-out evaluation plays "
+                "the test split of the run's data set with the built-in loop, and an outside-only run loads no data "
+                "set. Set train.eval_every=0 (train.eval_sets still run after training; or `relayrl eval` on "
+                "RUN/final_model), or set gateway.outside_only=false")
 
     @model_validator(mode="after")
     def _check_lora(self) -> "RunConfig":

@@ -58,6 +58,15 @@ class GatewayConfig(BaseModel):
     (gateway/agent_runner.py). `task` is the prompt's row (`prompt`, `answer`, `prompt_id` and its metadata); the
     return value is the session's reward (a number, or a dict with `reward`; None: not trained, counted)."""
 
+    outside_only: bool = False
+    """Feed the run by outside agents alone (AReaL's online proxy, rLLM's and verl's gateways): the rollout workers
+    lease no prompts and the data set is not loaded (the data section still describes the demo model's task); every
+    training group is a group of sessions that programs outside the run opened on the endpoints (POST /sessions),
+    drove with the OpenAI API and rewarded. `RUN/gateway/endpoints.json` lists the endpoints and says when the run
+    serves them (`ready`). A step waits for `learner.prompts_per_step` such groups within fault.batch_timeout_s,
+    logging what it waits for every fault.wait_log_s. Off: the run's data set feeds it, and outside sessions add
+    groups beside (docs/agents.md)."""
+
     agent_timeout_s: float = Field(300.0, gt=0)
     """Wall seconds one agent run may take; past it the run is cancelled, its session finished untrained and
     counted (`agent_timeouts`). Keep it under session_timeout_s."""

@@ -52,7 +52,9 @@ SECTIONS: dict[str, str] = {
                 "(rollout.prefix_caching, actors/prefix_cache.py)",
     "gateway/": "the session endpoint's counters (gateway.enabled), summed over the rollout workers since the run "
                 "started: sessions, sessions_rewarded, sessions_no_reward, sessions_lost, calls, calls_refused, "
-                "calls_lost, tool_parse_failures, retries, staleness_cuts, samples, groups, splits_<reason>, ...; "
+                "calls_lost, tool_parse_failures, retries, staleness_cuts, samples, groups_opened, groups (trained), "
+                "groups_wrong_size, groups_untrained, groups_incomplete, groups_open, open_sessions, "
+                "splits_<reason>, ...; "
                 "calls_per_session, samples_per_rewarded_session; with rollout.prefix_caching "
                 "prefill_tokens_saved_per_session and prefix_cache_hit_rate; with gateway.agent the in-process agent's "
                 "agent_runs, agent_rewards, agent_no_reward, agent_errors, agent_timeouts, agent_bad_rewards, "

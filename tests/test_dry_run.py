@@ -117,3 +117,12 @@ def test_critic_preset_and_missing_data_file_are_errors(tmp_path, capsys):
 def test_node_flag_without_dry_run_is_refused(capsys):
     code, out = run_cli(capsys, "train", "--node", "GPU=8,CPU=96")
     assert code == 2 and "--dry-run" in out
+
+
+def test_an_outside_only_dry_run_reads_no_data_file(tmp_path, text_model, capsys):
+    # data.format=gsm8k names a file that is not there; an outside-only run never reads it
+    code, out = run_cli(capsys, "train", "--dry-run", f"model.path={text_model}", "data.format=gsm8k",
+                        f"data.train_path={tmp_path / 'absent.jsonl'}", "gateway.enabled=true",
+                        "gateway.outside_only=true")
+    assert code == 0, out
+    assert "[ok] data: none loaded: gateway.outside_only=true" in out and "absent.jsonl" not in out

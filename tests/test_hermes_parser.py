@@ -70,3 +70,16 @@ def test_a_call_past_the_size_bound_is_refused_where_vllm_would_read_it():
 def test_nesting_past_the_depth_bound_is_refused_before_the_decoder():
     reply = parse_hermes('<tool_call>{"name": "f", "arguments": ' + "[" * 65 + "]" * 65 + "}</tool_call>")
     assert reply.tool_calls == [] and "66 levels" in reply.error  # the object's brace + 65 brackets
+
+
+def test_a_stream_holds_back_what_may_start_a_tool_call_and_a_partial_character():
+    from gateway.server import _streamable
+
+    # with tools: text before a call goes; from `<tool_call>` on, or a tail that may begin it, waits
+    assert _streamable("The answer <tool_call>{", True) == "The answer "
+    assert _streamable("The answer <tool_ca", True) == "The answer "
+    assert _streamable("a < b", True) == "a < b"  # `< b` cannot begin `<tool_call>`
+    assert _streamable("a <", True) == "a "
+    # without tools every character goes, but a partial UTF-8 character (decoded as U+FFFD) waits for its bytes
+    assert _streamable("The answer <tool_ca", False) == "The answer <tool_ca"
+    assert _streamable("caf\ufffd", False) == "caf"

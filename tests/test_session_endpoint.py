@@ -363,3 +363,95 @@ def test_a_client_that_leaves_loses_its_call_and_its_session_is_not_trained(endp
                       headers=auth).status_code == 200
     assert book.counts["sessions_lost"] == before[1] + 1
     assert not [g for g in worker.gateway.take_groups() if g.group_id.endswith("/left")]
+
+
+def test_a_streamed_reply_reaches_the_client_while_the_engine_still_samples_it(endpoint):
+    """Token streaming: with the engine stopped after a few steps of a streamed call, the text sampled so far has
+    already reached the SDK's stream; once the call ends, the chunks put together are the recorded reply."""
+    worker, loop, _, _ = endpoint
+    decoding, inbox = worker.decoding, worker.gateway.inbox
+    tokenizer = worker.gateway.book.renderer.tokenizer
+    heard: dict[str, list[int]] = {}
+
+    def spy(call_id, ids):  # what the decode loop tells the inbox after each step
+        heard[call_id] = ids
+        type(inbox)._heard(inbox, call_id, ids)
+
+    inbox._heard = spy
+    waiting = threading.Event()
+    try:
+        for _ in range(5):  # a random model may stop (EOS) within the steps below; then the call is made again
+            s = new_session(worker.gateway.url)
+            client = openai.OpenAI(base_url=s["base_url"], api_key=s["api_key"], max_retries=0)
+            chunks: list = []
+
+            def read():
+                for chunk in client.chat.completions.create(model="any", messages=[{"role": "user",
+                                                                                     "content": "count"}],
+                                                            max_tokens=16, stream=True):
+                    chunks.append(chunk)
+
+            loop.pause()
+            th = threading.Thread(target=read)
+            th.start()
+            while inbox.in_flight < 1:
+                waiting.wait(0.01)
+            inbox.pump(decoding)
+            (call_id,) = decoding.calls
+            for _ in range(4):  # the prefill step samples the first token, then one token a step
+                decoding.step(VERSION[0])
+            sampled = tokenizer.decode(heard.get(call_id, []), skip_special_tokens=True).rstrip("\ufffd")
+            mid_call = call_id in decoding.calls and bool(sampled)
+            early = ""
+            for _ in range(300 if mid_call else 0):  # the event loop sends it; the SDK reads it (polled up to 30 s)
+                early = "".join(c.choices[0].delta.content or "" for c in list(chunks) if c.choices)
+                if early == sampled:
+                    break
+                waiting.wait(0.1)
+            still_sampling = call_id in decoding.calls
+            loop.resume()
+            th.join(60)
+            if mid_call:
+                break
+        else:
+            pytest.fail("the random model ended every call within 4 steps")
+    finally:
+        del inbox._heard
+    assert still_sampling and early == sampled  # sent before the call ended: all the text sampled so far
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    record = worker.gateway.book.sessions[s["session_id"]].episode.calls[-1]
+    assert content == record.reply["content"] and content.startswith(early)
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) >= 2
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_client_that_leaves_mid_stream_loses_its_call(endpoint):
+    """A streamed call whose client closes the connection after the first event: the call is counted lost, never
+    recorded, and its session (rewarded anyway) is finished lost and not trained."""
+    worker, loop, *_ = endpoint
+    url, book = worker.gateway.url, worker.gateway.book
+    before = (book.counts["calls_lost"], book.counts["sessions_lost"], book.counts["calls"])
+    gone = new_session(url, group="left-stream", group_size=1)
+    auth = {"Authorization": f"Bearer {gone['api_key']}"}
+    loop.pause()  # the call waits in the inbox: the stream has begun, no token yet
+    with httpx.stream("POST", f"{url}/sessions/{gone['session_id']}/v1/chat/completions", headers=auth, timeout=30,
+                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, "stream": True}) as r:
+        assert r.status_code == 200
+        first = next(line for line in r.iter_lines() if line.startswith("data: "))
+        assert '"role": "assistant"' in first
+    loop.resume()
+    waiting = threading.Event()
+    for _ in range(300):  # noticed at the next event sent, or at once (polled up to 30 s)
+        if book.counts["calls_lost"] > before[0]:
+            break
+        waiting.wait(0.1)
+    assert book.counts["calls_lost"] == before[0] + 1 and book.counts["calls"] == before[2]
+    session = book.sessions[gone["session_id"]]
+    for _ in range(300):  # the stream's end gives the call back (its result, served to no one, is dropped)
+        if session.calls_in_flight == 0:
+            break
+        waiting.wait(0.1)
+    assert httpx.post(f"{url}/sessions/{gone['session_id']}/reward", json={"reward": 1.0},
+                      headers=auth).status_code == 200
+    assert book.counts["sessions_lost"] == before[1] + 1
+    assert not [g for g in worker.gateway.take_groups() if g.group_id.endswith("/left-stream")]

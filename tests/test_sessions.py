@@ -106,3 +106,43 @@ def test_every_finished_session_leaves_a_record_trained_or_not(renderer, tmp_pat
     (call,) = rows[0]["calls"]
     assert (call["sampled_ids"], call["token_versions"], call["parent"]) == ([67, 2], [0, 0], None)
     assert rows[0]["samples"] == [{"calls": [0], "prompt_tokens": len(call["prompt_ids"]), "loss_mask": [1, 1]}]
+
+
+def test_a_group_not_filled_within_the_session_timeout_is_dropped_and_its_key_starts_afresh(renderer):
+    now = [0.0]
+    book = book_of(renderer, now=now)  # timeout 10 s, groups of 2
+    a = book.create("task-1")
+    one_call(book, a)
+    book.set_reward(a, 1.0)
+    now[0] = 9.0
+    b = book.create("task-2")  # another group, opened later
+    assert (book.open_groups, book.counts["groups_incomplete"]) == (2, 0)
+    now[0] = 10.0  # task-1's first session opened 10 s ago, and its second never came
+    book.sweep()
+    assert (book.open_groups, book.counts["groups_incomplete"]) == (1, 1)
+    assert book.take_groups() == []
+    # the key is free again; the rewarded session of the dropped group never trains
+    c = book.create("task-1")
+    assert c.group is not a.group and c.group.group_id != a.group.group_id
+    assert b.group is book.create("task-2").group  # task-2 fills: 9 s + 10 s is its own bound
+    assert book.counts["groups_opened"] == 3 and book.open_groups == 2
+
+
+def test_an_anonymous_group_left_half_full_is_dropped_and_the_next_session_opens_a_new_one(renderer):
+    now = [0.0]
+    book = book_of(renderer, now=now)
+    a = book.create()
+    now[0] = 10.0
+    book.sweep()
+    assert book.create().group is not a.group and book.counts["groups_incomplete"] == 1
+
+
+def test_a_group_with_no_rewarded_session_is_counted_untrained(renderer):
+    book = book_of(renderer)
+    a, b = book.create("task-1"), book.create("task-1")
+    one_call(book, a)
+    book.finish(a)
+    book.finish(b)  # no call, no reward
+    assert book.take_groups() == []
+    c = book.counts
+    assert (c["groups_untrained"], c["groups_wrong_size"], c["sessions_no_reward"], book.open_groups) == (1, 0, 2, 0)
