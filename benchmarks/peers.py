@@ -380,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         r = run_relayrl(demo, args.steps, args.eval_every, out, args.overrides)
         r["accuracy_after"] = demo.held_out(r["final_model"], tokenizer, eval_prompts)
         results["relayrl"] = r
-        curves["relayrl (make train job, async DAPO)"] = r["curve_in_run"]
+        target = "make train" if demo.name == "addition" else f"make train-{demo.name}"
+        curves[f"relayrl ({target} job, async DAPO)"] = r["curve_in_run"]
         print(f"[relayrl] {r['train_s']:.1f} s training, accuracy {before:.3f} -> {r['accuracy_after']:.3f}",
               flush=True)
     labels = {"trl": ("transformers", "TRL GRPOTrainer (transformers generation)"),
