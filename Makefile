@@ -31,9 +31,10 @@ train-outside: install
 	$(VENV)/bin/relayrl train --config deploy/configs/demo_outside.yaml $(ARGS) & \
 	$(VENV)/bin/python demos/outside_agent.py runs/demo_outside; wait
 
-# On-policy distillation (docs/distillation.md): a larger teacher, then RL, distillation and the mix from the same
-# student on the addition demo, with the teacher's sampled token and with its top-k (six jobs, one after the other;
-# ARGS="--modes rl,distill_topk_64x2" for two); writes runs/distill/{table.md,results.json,distillation.png}.
+# On-policy distillation (docs/distillation.md): a longer-trained teacher, then RL, distillation and the mix from
+# the same student on the addition demo, with the teacher's sampled token and with its top-k (eight jobs, one after
+# the other; ARGS="--modes rl,distill_topk_128x2_lr2e-4" for two); writes
+# runs/distill/{table.md,results.json,distillation.png}.
 train-distill: install
 	$(VENV)/bin/python benchmarks/distillation.py --out runs/distill $(ARGS)
 

@@ -13,6 +13,10 @@ other, with the same seed, steps and held-out evaluations every `--eval-every` s
     mix_topk half of the top-k loss, half of the verifier's advantage (weight 0.5, top_k=8)
     distill_topk_64x2  distill_topk on 64 prompts x 2 samples a step instead of 16 x 8 (the same 128 samples:
              distillation needs no group baseline, so the positions may come from more prompts)
+    distill_topk_64x2_lr2e-4  the same at learner.lr 2e-4: four times the step size, which the student needs to
+             cover its distance to the teacher in 50 steps (docs/distillation.md)
+    distill_topk_128x2_lr2e-4  128 prompts x 2 samples at lr 2e-4: twice the samples a step, for the larger
+             step's gradient noise
 
 It prints and writes (`--out`: results.json, table.md, distillation.png) held-out accuracy against steps and
 against training seconds, the steps and seconds each mode takes to reach the RL run's final accuracy, and the
@@ -52,6 +56,13 @@ MODES = {
     "distill_topk_64x2": ["algorithm.dynamic_sampling=false", "algorithm.distillation.weight=1",
                           "algorithm.distillation.top_k=8", "learner.prompts_per_step=64",
                           "rollout.samples_per_prompt=2"],
+    "distill_topk_64x2_lr2e-4": ["algorithm.dynamic_sampling=false", "algorithm.distillation.weight=1",
+                                 "algorithm.distillation.top_k=8", "learner.prompts_per_step=64",
+                                 "rollout.samples_per_prompt=2", "learner.lr=2e-4"],
+    "distill_topk_128x2_lr2e-4": ["algorithm.dynamic_sampling=false", "algorithm.distillation.weight=1",
+                                  "algorithm.distillation.top_k=8", "learner.prompts_per_step=128",
+                                  "rollout.samples_per_prompt=2", "rollout.prompts_in_flight=128",
+                                  "learner.lr=2e-4"],
 }
 """Overrides of each mode over the shipped demo job. Dynamic sampling is off when the teacher trains: a group whose
 rewards are all equal still carries the teacher's per-token signal."""
