@@ -178,8 +178,9 @@ class DecodeLoop:
         self.finished_calls: list[TrajectoryGroup] = []
         """Single calls that ended, for their caller to take (gateway/engine_bridge.py)."""
         self.on_call_tokens: Callable[[str, list[int]], None] | None = None
-        """Called after each engine step with (call id, every id the call sampled so far) for each single call
-        that has not ended: what a streamed reply sends as it is sampled (gateway/engine_bridge.py)."""
+        """Called after each engine step with (call id, every id the call sampled so far: the engine's own list,
+        to copy before keeping) for each single call that has not ended: what a streamed reply sends as it is
+        sampled (gateway/engine_bridge.py)."""
 
     @property
     def groups_in_flight(self) -> int:
@@ -256,7 +257,7 @@ class DecodeLoop:
         self.requests[out.request_id] = (sample, len(completion.token_ids))
         if not out.finished:
             if self.on_call_tokens is not None and sample.group_id in self.calls:
-                self.on_call_tokens(sample.group_id, list(completion.token_ids))
+                self.on_call_tokens(sample.group_id, completion.token_ids)  # copied only for a streamed call
             return None
         del self.requests[out.request_id]
         sample.response_token_ids.extend(completion.token_ids)

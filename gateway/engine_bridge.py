@@ -67,8 +67,8 @@ class CallInbox:
 
     def _heard(self, call_id: str, ids: list[int]) -> None:
         listener = self._listeners.get(call_id)
-        if listener is not None:
-            listener(ids)
+        if listener is not None:  # a copy: the engine appends to its list while the server's loop reads this one
+            listener(list(ids))
 
     @property
     def in_flight(self) -> int:
