@@ -9,6 +9,7 @@ or micro-batch is `select(indices)`. Pure torch: it pickles through Ray and save
 """
 
 from dataclasses import dataclass, fields, replace
+from itertools import chain
 from pathlib import Path
 
 import torch
@@ -238,8 +239,10 @@ def _pad_k(rows: list[list[list]] | None, width: int, dtype: torch.dtype) -> Ten
 
 
 def _pad(rows: list[list], width: int, dtype: torch.dtype, fill: int | float = 0) -> Tensor:
+    """Rows of lengths T_i -> (B, width), `fill` after each row's end. One tensor of all the values, scattered
+    through a mask: a tensor per row cost about 7 ms a step for the addition demo's 128 short rows."""
     out = torch.full((len(rows), width), fill, dtype=dtype)
-    for i, row in enumerate(rows):
-        if len(row):
-            out[i, : len(row)] = torch.tensor(row, dtype=dtype)
+    lengths = torch.tensor([len(row) for row in rows], dtype=torch.long)
+    if int(lengths.sum()):
+        out[torch.arange(width) < lengths[:, None]] = torch.tensor(list(chain.from_iterable(rows)), dtype=dtype)
     return out
