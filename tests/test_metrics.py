@@ -225,3 +225,20 @@ def test_length_metrics_nearest_rank():
     # 3 lengths: p50 = rank ceil(1.5) = 2nd (7); p99 = rank ceil(2.97) = 3rd (900).
     assert length_metrics([900, 5, 7]) == {
         "response/length_p50": 7.0, "response/length_p99": 900.0, "response/length_max": 900.0}
+
+
+def test_tensorboard_gets_every_finite_scalar_of_each_logged_step(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from cluster.run_folder import RunFolder
+    from protocols.config import load_config
+
+    folder = RunFolder(load_config(None, [f"output_dir={tmp_path}"]))
+    folder.log(1, {"reward/mean": 0.5, "time/step_s": 2.0, "eval/accuracy": float("nan")})
+    folder.log(2, {"reward/mean": 0.75, "time/step_s": 1.0})
+    folder.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == ["reward/mean", "time/step_s"]  # NaN is not a scalar there
+    assert [(e.step, e.value) for e in events.Scalars("reward/mean")] == [(1, 0.5), (2, 0.75)]
+    assert [(e.step, e.value) for e in events.Scalars("time/step_s")] == [(1, 2.0), (2, 1.0)]
