@@ -56,6 +56,29 @@ def test_an_episode_without_a_sound_reward_is_not_trained(episode):
     assert episode_reward(episode) is None
 
 
+def test_the_mapping_and_the_context_are_verifiers_own_where_it_is_installed():
+    vf = pytest.importorskip("verifiers.v1")  # pip install relayrl[verifiers]
+    from verifiers.v1.configs.client import resolve_api_key
+
+    from gateway.verifiers_env import model_context
+
+    os.environ[KEY_VARIABLE_PREFIX + "test"] = "session-key"
+    try:
+        ctx = model_context("policy", "http://127.0.0.1:1/sessions/s/v1", KEY_VARIABLE_PREFIX + "test")
+        assert isinstance(ctx, vf.ModelContext) and isinstance(ctx.client, vf.EvalClientConfig)
+        assert resolve_api_key(ctx.client) == "session-key"  # how verifiers' EvalClient reads the key
+    finally:
+        os.environ.pop(KEY_VARIABLE_PREFIX + "test")
+    task = vf.TraceTask(type="Task", data=vf.TaskData(prompt="12*3="))
+    real = vf.Trace.model_construct(task=task, rewards={}, metrics={})
+    real.record_reward("correct", 1.0, 0.75)  # 1.0 x 0.75 + 0.5 x 0.5 = 1.0
+    real.record_reward("format", 0.5, 0.5)
+    real.record_metric("turns", 2)
+    episode = vf.Episode(task=task, ok=True)
+    episode.traces.append(real)
+    assert episode_reward(episode) == {"correct": 1.0, "format": 0.5, "turns": 2.0, "reward": 1.0}
+
+
 def test_the_task_is_the_rows_fields_its_data_class_declares():
     row = {"prompt": "12*34=", "answer": "408", "prompt_id": "arithmetic/train/7", "a": 12, "b": 34}
     task = task_for(ProductsEnv(), row)
