@@ -10,6 +10,7 @@ metrics; `Episode.ok` is false when a hook, an agent or a model call failed. The
 `EvalClientConfig(base_url, api_key_var)`: the key is read from that environment variable, so each episode puts its
 session's key under a variable of its own."""
 
+import asyncio
 import contextlib
 import logging
 import math
@@ -104,6 +105,8 @@ class VerifiersAgent:
     """COUNTER_NAMES, in the worker's `gateway` report beside the runner's `agent_*` counts."""
     env: Any = None
     _serving: contextlib.AsyncExitStack | None = None
+    _loading: asyncio.Lock | None = None
+    """Made in the agents' loop on the first episode: the group's first episodes wait for one load, not one each."""
 
     async def __call__(self, task: dict[str, Any], base_url: str, api_key: str) -> dict[str, Any] | None:
         env = await self._environment()
@@ -124,11 +127,14 @@ class VerifiersAgent:
         return reward
 
     async def _environment(self) -> Any:
-        if self.env is None:
-            env = load_environment(self.target)
-            stack = contextlib.AsyncExitStack()
-            await stack.enter_async_context(env.serving())
-            self.env, self._serving = env, stack
+        if self._loading is None:
+            self._loading = asyncio.Lock()
+        async with self._loading:
+            if self.env is None:
+                env = load_environment(self.target)
+                stack = contextlib.AsyncExitStack()
+                await stack.enter_async_context(env.serving())
+                self.env, self._serving = env, stack
         return self.env
 
     async def close(self) -> None:
