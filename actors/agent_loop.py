@@ -13,16 +13,18 @@ the model's end of turn, its calls are read by gateway/hermes.py (all of them, r
 outputs go back as `tool` messages, rendered by the chat template after the turn's end (gateway/chat_render.py's
 delta, the same tokens a session's next prompt gets).
 
-With tools.environment each sample gets its own environment instance (rewards/environment.py Episode), started at
-its first turn's end; its calls go to the instance's methods, and its reward attribute, read when the sample ends,
-goes on the sample (`environment_reward`) for the reward worker.
+With tools.environment each sample gets its own environment instance (rewards/environment.py Episode), reset when
+the sample enters the engine (`start_sample`); text that `reset` returns is appended to the prompt's user message
+and the sample's prompt encoded again (as TRL's environment_factory does); its calls go to the instance's methods,
+and its reward attribute, read when the sample ends, goes on the sample (`environment_reward`) for the reward
+worker.
 """
 
 import json
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 from actors.decode_loop import FINISHED, PENDING, Finished, Pending, RequestEnd, SampleInFlight
 from gateway.chat_render import ChatRenderer
@@ -39,13 +41,14 @@ the ToolBox cannot stop it, e.g. the sandbox's start) the loop gives up waiting 
 
 COUNTER_NAMES = ("calls", "malformed_calls", "max_turns", "truncated_outputs", "budget_cut_outputs",
                  "errors_unknown_tool", "errors_exception", "errors_timeout", "environment_episodes",
-                 "environment_start_errors", "environment_bad_rewards", "environment_observations_unshown")
+                 "environment_start_errors", "environment_bad_rewards", "environment_observations_shown",
+                 "environment_observations_unshown")
 """`counts` keys, all present from the start: tool calls run; model turns that ended at `call_end` but could not
 be read (each ends its sample as a plain response); samples stopped at tools.max_turns; outputs cut at
 tools.max_output_tokens; tool segments cut because the response-token budget ran out; failed calls by kind;
 environment episodes started, those whose constructor or reset raised, those whose reward was missing or not a
-number (scored 0), and those whose reset returned an observation (text the model does not see: prompts are
-tokenized by the data loader before a sample starts)."""
+number (scored 0); those whose reset returned text shown in the sample's prompt, and those whose text was not
+shown (the prompt with it would pass data.max_prompt_tokens, or the loop has no prompt encoder)."""
 
 
 class _Call:
@@ -64,9 +67,13 @@ class AgentLoop:
     reason, or `PENDING` while the sample's tool runs; `ready()` hands waiting samples back with their decision."""
 
     def __init__(self, tools: ToolsConfig, reward: RewardConfig, tokenizer: Any,
-                 toolbox: ToolBox | None = None) -> None:
+                 toolbox: ToolBox | None = None,
+                 encode_prompt: Callable[[str], list[int] | None] | None = None) -> None:
         self.cfg = tools
         self.tokenizer = tokenizer
+        self.encode_prompt = encode_prompt
+        """A prompt's user text -> its token ids as the data loader encodes them (template, system prompt, tools),
+        None past data.max_prompt_tokens: how an environment's reset observation joins the prompt."""
         self.toolbox = toolbox if toolbox is not None else ToolBox(tools, reward)
         self.environment = load_environment(tools) if tools.environment else None
         self.episodes: dict[tuple[str, int], Episode] = {}
@@ -86,7 +93,8 @@ class AgentLoop:
     # --- a model turn ended ------------------------------------------------------------------------------------
     def __call__(self, sample: SampleInFlight, output: Any) -> RequestEnd | Pending:
         if self.environment is not None and (sample.group_id, sample.index) not in self.episodes:
-            self._start_episode(sample)
+            # a loop that did not call start_sample: the prompt is already in the engine, so reset's text is unshown
+            self.counts["environment_observations_unshown"] += bool(self._start_episode(sample).observation)
         decision = self._turn_end(sample, output)
         return decision if isinstance(decision, Pending) else self._end(sample, decision)
 
@@ -138,12 +146,29 @@ class AgentLoop:
         return results
 
     # --- environment episodes ----------------------------------------------------------------------------------
-    def _start_episode(self, sample: SampleInFlight) -> None:
+    def start_sample(self, sample: SampleInFlight) -> None:
+        """The decode loop's call as a sample enters the engine: its environment episode starts (reset with the
+        prompt's row), and text that reset returned is appended to the prompt's user message (TRL's
+        environment_factory: `content + observation`, no separator), the sample's prompt encoded again."""
+        if self.environment is None or (sample.group_id, sample.index) in self.episodes:
+            return
+        episode = self._start_episode(sample)
+        if not episode.observation:
+            return
+        text = sample.prompt.prompt_text + episode.observation
+        ids = self.encode_prompt(text) if self.encode_prompt is not None else None
+        if ids is None:
+            self.counts["environment_observations_unshown"] += 1
+            return
+        sample.prompt = sample.prompt.model_copy(update={"prompt_token_ids": ids, "prompt_text": text})
+        self.counts["environment_observations_shown"] += 1
+
+    def _start_episode(self, sample: SampleInFlight) -> Episode:
         episode = Episode(self.environment, sample.prompt, self.cfg)
         self.episodes[(sample.group_id, sample.index)] = episode
         self.counts["environment_episodes"] += 1
         self.counts["environment_start_errors"] += bool(episode.error)
-        self.counts["environment_observations_unshown"] += bool(episode.observation)
+        return episode
 
     def _end(self, sample: SampleInFlight, decision: RequestEnd) -> RequestEnd:
         """A sample that ends reads its episode's reward (0 and counted when it is missing or not a number)."""

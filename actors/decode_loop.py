@@ -209,7 +209,10 @@ class DecodeLoop:
             heapq.heappush(self.held, (-expected_length, self.arrivals, group))
 
     def _add_group(self, group: _GroupInFlight) -> None:
+        start_sample = getattr(self.on_request_end, "start_sample", None)
         for sample in group.samples:
+            if start_sample is not None:  # the agent loop may give the sample a prompt of its own (an observation)
+                start_sample(sample)
             self._add_request(sample, sample.prefix_ids, self.max_response_tokens)
 
     def _dispatch(self) -> None:

@@ -30,6 +30,7 @@ from protocols.config import RunConfig
 from protocols.trajectory import Prompt
 from protocols.weight_announcement import WeightAnnouncement
 from protocols.weight_probe import check_probe_fits, run_probe
+from rewards.environment import prompt_encoder
 from weights.backends import weight_backend
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,9 @@ class RolloutWorker:
         self.skip_on_load: str | None = None
         """Tests only (`inject_weight_fault`): the tensors every later load leaves out (those whose names start with
         it), as a broken transport would."""
-        self.agent = AgentLoop(cfg.tools, cfg.reward, self.tokenizer) if cfg.tools.enabled else None
+        self.agent = AgentLoop(cfg.tools, cfg.reward, self.tokenizer,
+                               encode_prompt=prompt_encoder(cfg.data, cfg.tools, self.tokenizer)
+                               ) if cfg.tools.enabled else None
         """With tools (cfg.tools): the agent loop, which runs a sample's tool calls beside the engine."""
         self.decoding = DecodeLoop(self.probing or requests, self._sampling_params, cfg.rollout.samples_per_prompt,
                                    cfg.rollout.max_response_tokens, worker_id,
@@ -361,7 +364,8 @@ class RolloutWorker:
 
     def _agent_responses(self, prompts: list[Prompt], n: int, temperature: float, top_p: float, seed: int) -> list:
         # an agent loop of its own, so evaluation's tool calls stay out of the training run's counters
-        agent = AgentLoop(self.cfg.tools, self.cfg.reward, self.tokenizer, toolbox=self.agent.toolbox)
+        agent = AgentLoop(self.cfg.tools, self.cfg.reward, self.tokenizer, toolbox=self.agent.toolbox,
+                          encode_prompt=self.agent.encode_prompt)
         try:
             return eval_generation.agent_responses(self.requests, agent, prompts, n, temperature, top_p, seed,
                                                    self.cfg.rollout.max_response_tokens)

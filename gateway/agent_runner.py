@@ -53,9 +53,10 @@ class AgentRunner:
     """The leased groups an agent plays on one worker's endpoint. The worker calls `start` for each granted group,
     `claim` for each group the book hands back, `abort` when it stops; `in_flight` counts the groups it plays."""
 
-    def __init__(self, target: str, server: GatewayServer, book: SessionBook, group_size: int,
-                 timeout_s: float, max_running: int = 64) -> None:
-        self.fn = load_agent(target)
+    def __init__(self, target: str | Callable[..., Any], server: GatewayServer, book: SessionBook,
+                 group_size: int, timeout_s: float, max_running: int = 64) -> None:
+        self.fn = load_agent(target) if isinstance(target, str) else target
+        """The agent function: gateway.agent's, or an adapter's (gateway/verifiers_env.py `VerifiersAgent`)."""
         self.server = server
         self.book = book
         self.group_size = group_size
@@ -104,10 +105,16 @@ class AgentRunner:
 
     def report(self) -> dict[str, float]:
         with self._lock:
-            return {**self.counts, "agent_groups_in_flight": len(self.active)}
+            adapter = dict(getattr(self.fn, "counts", {}))  # an adapter's own counts (gateway.verifiers_env)
+            return {**self.counts, **adapter, "agent_groups_in_flight": len(self.active)}
 
     def close(self) -> None:
         self.abort()
+        if hasattr(self.fn, "close"):  # an adapter's resources live in this loop (gateway.verifiers_env's serving)
+            try:
+                asyncio.run_coroutine_threadsafe(self.fn.close(), self.loop).result(timeout=30)
+            except Exception as err:  # noqa: BLE001 - a failed teardown is logged; the worker still stops
+                log.warning("gateway agent's close raised: %s: %s", type(err).__name__, err)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
 

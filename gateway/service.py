@@ -1,7 +1,7 @@
 """The session endpoint of one rollout worker (gateway.enabled): its sessions, its call inbox and its HTTP server,
 built from the run's config. The worker's loop calls `pump` before each engine step and hands the groups of
 finished sessions (`take_groups`) to the controller as scored groups: their reward came from the client, so no
-reward worker scores them again. With gateway.agent, the service also runs that agent on the prompts the worker
+reward worker scores them again. With gateway.agent (or gateway.verifiers_env), the service also runs that agent on the prompts the worker
 leases (gateway/agent_runner.py): their groups come back the same way, under the leased ids."""
 
 import json
@@ -13,6 +13,7 @@ from gateway.chat_render import ChatRenderer
 from gateway.engine_bridge import CallInbox
 from gateway.server import GatewayServer, ServeSettings
 from gateway.sessions import SessionBook
+from gateway.verifiers_env import VerifiersAgent
 from protocols.config import RunConfig
 from protocols.trajectory import TrajectoryGroup
 
@@ -32,9 +33,11 @@ class GatewayService:
             max_calls_in_flight=g.max_calls_in_flight, retry_after_s=g.retry_after_s, tool_parser=g.tool_parser)
         self.server = GatewayServer(self.book, self.inbox, settings, g.host, g.port + worker_id if g.port else 0)
         self.server.start()
-        self.agents = AgentRunner(g.agent, self.server, self.book, cfg.rollout.samples_per_prompt,
-                                  g.agent_timeout_s, g.max_calls_in_flight) if g.agent else None
-        """gateway.agent: the in-process agent that plays this worker's leased prompts; None without one."""
+        agent = VerifiersAgent(g.verifiers_env) if g.verifiers_env else g.agent
+        self.agents = AgentRunner(agent, self.server, self.book, cfg.rollout.samples_per_prompt,
+                                  g.agent_timeout_s, g.max_calls_in_flight) if agent else None
+        """gateway.agent or gateway.verifiers_env: the in-process agent that plays this worker's leased prompts; None
+        without one."""
         self.worker_id = worker_id
         self._write_url(cfg.output_dir)
 

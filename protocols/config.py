@@ -320,9 +320,28 @@ class RunConfig(BaseModel):
             raise ValueError(
                 f"gateway.agent={self.gateway.agent!r} with gateway.enabled=false: the agent plays its sessions on "
                 "the rollout workers' endpoints; set gateway.enabled=true, or leave gateway.agent empty")
+        if self.gateway.verifiers_env:
+            self._check_verifiers_env()
         if self.gateway.outside_only:
             self._check_outside_only()
         return self
+
+    def _check_verifiers_env(self) -> None:
+        """gateway.verifiers_env is the in-process agent: it needs the endpoint and the run's own prompts."""
+        g = self.gateway
+        if not g.enabled:
+            raise ValueError(
+                f"gateway.verifiers_env={g.verifiers_env!r} with gateway.enabled=false: the environment's episodes "
+                "play sessions of the rollout workers' endpoints; set gateway.enabled=true")
+        if g.agent:
+            raise ValueError(
+                f"gateway.verifiers_env={g.verifiers_env!r} with gateway.agent={g.agent!r}: each is the run's "
+                "in-process agent and a run has one; leave one of them empty")
+        if g.outside_only:
+            raise ValueError(
+                f"gateway.verifiers_env={g.verifiers_env!r} with gateway.outside_only=true: the environment plays the "
+                "prompts the run leases from its data set, and an outside-only run leases none. Set "
+                "gateway.outside_only=false")
 
     def _check_outside_only(self) -> None:
         """gateway.outside_only: what needs the run's own prompts, refused before any actor starts."""

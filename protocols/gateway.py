@@ -58,6 +58,13 @@ class GatewayConfig(BaseModel):
     (gateway/agent_runner.py). `task` is the prompt's row (`prompt`, `answer`, `prompt_id` and its metadata); the
     return value is the session's reward (a number, or a dict with `reward`; None: not trained, counted)."""
 
+    verifiers_env: str = Field("", pattern=r"^$|^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    """`module:function` returning a `verifiers` environment (verifiers 0.4.0's `verifiers.v1.Env`, or one of its
+    shape), importable by the rollout workers; empty: none. Set, it is the run's in-process agent in place of
+    gateway.agent: each session plays one episode (`Env.run_episode`) whose model calls go to the session's
+    endpoint, and the episode's rubric reward is the session's (gateway/verifiers_env.py). Install the package with
+    `pip install relayrl[verifiers]` for environments written against it."""
+
     outside_only: bool = False
     """Feed the run by outside agents alone (AReaL's online proxy, rLLM's and verl's gateways): the rollout workers
     lease no prompts and the data set is not loaded (the data section still describes the demo model's task); every

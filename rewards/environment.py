@@ -13,12 +13,14 @@ import json
 import logging
 import math
 import time
-from typing import Any
+from typing import Any, Callable
 
 from transformers.utils import get_json_schema
 
+from protocols.data import DataConfig
 from protocols.tools import ToolsConfig
 from protocols.trajectory import Prompt
+from rewards.datasets import encode_prompt
 from rewards.tools import ToolResult, call_in_thread, load_target
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,19 @@ def prompt_tools(tools: ToolsConfig) -> list[dict] | None:
     return [*(schemas or []), *environment_schemas(load_environment(tools))]
 
 
+def prompt_encoder(data: DataConfig, tools: ToolsConfig, tokenizer: Any) -> Callable[[str], list[int] | None]:
+    """A prompt's user text -> its ids as the data loader encodes them (the chat template, data.system_prompt, the
+    tools' schemas), None past data.max_prompt_tokens (the engine's context has no room for it): how the agent loop
+    puts an environment's reset observation into a sample's prompt."""
+    schemas = prompt_tools(tools)
+
+    def encode(text: str) -> list[int] | None:
+        ids = encode_prompt(text, data, tokenizer, schemas)
+        return ids if len(ids) <= data.max_prompt_tokens else None
+
+    return encode
+
+
 def reset_row(prompt: Prompt) -> dict[str, Any]:
     """The keyword arguments of `reset`: the prompt's row as the data loader kept it (its text, its gold answer,
     its id, and its metadata fields)."""
@@ -83,7 +98,8 @@ class Episode:
         self.error = ""
         """Why the episode could not start (the constructor or reset raised); its calls then answer this."""
         self.observation = ""
-        """What reset returned, when it was text (not shown to the model: prompts are tokenized before it)."""
+        """What reset returned, when it was text: the agent loop appends it to the sample's prompt (TRL's
+        environment_factory appends it to the last user message)."""
         self.instance: Any = None
         try:
             self.instance = cls()

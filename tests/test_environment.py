@@ -15,7 +15,8 @@ from demos.products_env import ProductsEnv
 from protocols.reward import RewardConfig
 from protocols.tools import ToolsConfig
 from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup
-from rewards.environment import Episode, environment_schemas, prompt_tools, tool_methods
+from protocols.data import DataConfig
+from rewards.environment import Episode, environment_schemas, prompt_encoder, prompt_tools, tool_methods
 from tests.test_decode_loop import ScriptedEngine, _params
 from tests.tiny_chat_tokenizer import build_chat_tokenizer
 
@@ -161,12 +162,14 @@ def call(name, arguments):
     return '<tool_call>\n{"name": "' + name + '", "arguments": ' + json.dumps(arguments) + '}\n</tool_call>'
 
 
-def run(tok, scripts, tools=TOOLS, size=1):
+def run(tok, scripts, tools=TOOLS, size=1, encode=None, engine_log=None):
     prompt_text = tok.apply_chat_template([{"role": "user", "content": "12*3?"}], tools=prompt_tools(tools),
                                           tokenize=False, add_generation_prompt=True)
     prompt = PROMPT.model_copy(update={"prompt_token_ids": ids(tok, prompt_text)})
     engine = ScriptedEngine(scripts, per_step=64, piece=lambda t: tok.decode([t], skip_special_tokens=True))
-    agent = AgentLoop(tools, RewardConfig(), tok)
+    if engine_log is not None:
+        engine_log.append(engine)
+    agent = AgentLoop(tools, RewardConfig(), tok, encode_prompt=encode)
     loop = DecodeLoop(engine, _params, size, 256, 0, on_request_end=agent)
     loop.start_group("g", prompt)
     groups = []
@@ -228,3 +231,58 @@ def test_the_reward_worker_puts_the_environment_reward_in_place_of_the_verifiers
     assert with_env.result.info["environment_reward"] == 1.0
     assert without.reward == 0.0 and "environment_reward" not in without.result.info
     assert "environment_reward" not in plain.model_dump()  # records without an environment are unchanged
+
+
+class Observed:
+    """reset returns an observation for the product 12*3 and none for any other row."""
+
+    def reset(self, **row):
+        self.reward = 0.0
+        return " Prices: 12 each." if row["a"] == 12 else None
+
+    def submit(self, answer: int) -> str:
+        """Submit.
+
+        Args:
+            answer: The product.
+        """
+        self.reward = float(answer == 36)
+        return "ok"
+
+
+def test_a_reset_observation_is_appended_to_the_user_message_and_the_engine_gets_that_prompt(tok):
+    end = ids(tok, "<|im_end|>")
+    tools = TOOLS.model_copy(update={"environment": "tests.test_environment:Observed"})
+    log = []
+    _, (t0, t1), agent = run(tok, {"g/0": ids(tok, "36") + end, "g/1": ids(tok, "35") + end}, tools=tools, size=2,
+                             encode=prompt_encoder(DataConfig(max_prompt_tokens=4096), tools, tok), engine_log=log)
+    # TRL's environment_factory: content + observation, then the template (with the environment's tools) as the
+    # data loader renders it
+    shown = ids(tok, tok.apply_chat_template([{"role": "user", "content": "12*3? Prices: 12 each."}],
+                                             tools=prompt_tools(tools), tokenize=False, add_generation_prompt=True))
+    assert [prompt for _, prompt, _ in log[0].added] == [shown, shown]  # each sample's own reset said it
+    assert t0.prompt.prompt_token_ids == t1.prompt.prompt_token_ids == shown
+    assert t0.prompt.prompt_text == "12*3? Prices: 12 each." and t0.prompt.answer == "36"
+    assert agent.counts["environment_observations_shown"] == 2 and agent.counts["environment_observations_unshown"] == 0
+
+
+def test_no_observation_keeps_the_prompt_and_one_past_max_prompt_tokens_is_counted_unshown(tok):
+    end = ids(tok, "<|im_end|>")
+    tools = TOOLS.model_copy(update={"environment": "tests.test_environment:Observed"})
+    log = []
+    prompt, (t,), agent = run(tok, {"g/0": ids(tok, "36") + end}, tools=tools, engine_log=log,
+                              encode=prompt_encoder(DataConfig(max_prompt_tokens=8), tools, tok))
+    assert log[0].added[0][1] == prompt.prompt_token_ids == t.prompt.prompt_token_ids  # the data loader's prompt
+    assert agent.counts["environment_observations_unshown"] == 1 and agent.counts["environment_observations_shown"] == 0
+    # (the byte-level test tokenizer's prompt with the tools' schemas is some 700 tokens, past 8 and under 4096)
+    # a row whose reset says nothing: the data loader's prompt, nothing counted
+    log.clear()
+    original = PROMPT
+    try:
+        globals()["PROMPT"] = PROMPT.model_copy(update={"metadata": {"a": 11, "b": 3}})
+        prompt, (t,), agent = run(tok, {"g/0": ids(tok, "33") + end}, tools=tools, engine_log=log,
+                                  encode=prompt_encoder(DataConfig(max_prompt_tokens=4096), tools, tok))
+    finally:
+        globals()["PROMPT"] = original
+    assert log[0].added[0][1] == prompt.prompt_token_ids == t.prompt.prompt_token_ids
+    assert agent.counts["environment_observations_unshown"] == agent.counts["environment_observations_shown"] == 0
