@@ -68,10 +68,13 @@ MODES = {
                                   "algorithm.distillation.top_k=8", "learner.prompts_per_step=128",
                                   "rollout.samples_per_prompt=2", "rollout.prompts_in_flight=128",
                                   "learner.lr=2e-4"],
+    # Issue 34's second goal (within 3 points of the teacher): run for 800 steps, the lr decay lets the student
+    # take 2e-4 steps early and settle late; docs/distillation.md has what it reached (not the teacher's 0.920).
     "distill_full_128x2_cos": ["algorithm.dynamic_sampling=false", "algorithm.distillation.weight=1",
                                "algorithm.distillation.top_k=15", "learner.prompts_per_step=128",
                                "rollout.samples_per_prompt=2", "rollout.prompts_in_flight=128",
                                "learner.lr=2e-4", "learner.lr_decay_steps={steps}"],
+    # The student's samples nearer its greedy path, which the held-out evaluation follows (measured to step 150).
     "distill_full_128x2_cos_t06": ["algorithm.dynamic_sampling=false", "algorithm.distillation.weight=1",
                                    "algorithm.distillation.top_k=15", "learner.prompts_per_step=128",
                                    "rollout.samples_per_prompt=2", "rollout.prompts_in_flight=128",
