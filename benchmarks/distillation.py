@@ -17,6 +17,11 @@ other, with the same seed, steps and held-out evaluations every `--eval-every` s
              cover its distance to the teacher in 50 steps (docs/distillation.md)
     distill_topk_128x2_lr2e-4  128 prompts x 2 samples at lr 2e-4: twice the samples a step, for the larger
              step's gradient noise
+    distill_full_128x2_cos  the forward KL from all 15 of the teacher's tokens (the full forward KL), 128 x 2,
+             lr 2e-4 falling along a half cosine to 0 over the run (learner.lr_decay_steps = --steps): large steps
+             early, small ones late to settle near the teacher instead of bouncing around it
+    distill_full_128x2_cos_t06  the same with the student sampling at temperature 0.6 (both models scored at
+             0.6): positions nearer the student's greedy path, which the held-out evaluation follows
 
 It prints and writes (`--out`: results.json, table.md, distillation.png) held-out accuracy against steps and
 against training seconds, the steps and seconds each mode takes to reach the RL run's final accuracy, and the
@@ -63,6 +68,17 @@ MODES = {
                                   "algorithm.distillation.top_k=8", "learner.prompts_per_step=128",
                                   "rollout.samples_per_prompt=2", "rollout.prompts_in_flight=128",
                                   "learner.lr=2e-4"],
+    # Issue 34's second goal (within 3 points of the teacher): run for 800 steps, the lr decay lets the student
+    # take 2e-4 steps early and settle late; docs/distillation.md has what it reached (not the teacher's 0.920).
+    "distill_full_128x2_cos": ["algorithm.dynamic_sampling=false", "algorithm.distillation.weight=1",
+                               "algorithm.distillation.top_k=15", "learner.prompts_per_step=128",
+                               "rollout.samples_per_prompt=2", "rollout.prompts_in_flight=128",
+                               "learner.lr=2e-4", "learner.lr_decay_steps={steps}"],
+    # The student's samples nearer its greedy path, which the held-out evaluation follows (measured to step 150).
+    "distill_full_128x2_cos_t06": ["algorithm.dynamic_sampling=false", "algorithm.distillation.weight=1",
+                                   "algorithm.distillation.top_k=15", "learner.prompts_per_step=128",
+                                   "rollout.samples_per_prompt=2", "rollout.prompts_in_flight=128",
+                                   "learner.lr=2e-4", "learner.lr_decay_steps={steps}", "rollout.temperature=0.6"],
 }
 """Overrides of each mode over the shipped demo job. Dynamic sampling is off when the teacher trains: a group whose
 rewards are all equal still carries the teacher's per-token signal."""
@@ -155,7 +171,8 @@ def main() -> None:
     jobs = {}
     for mode in args.modes.split(","):
         with_teacher = [f"teacher.path={teacher}", "teacher.num_workers=1"] if mode != "rl" else []
-        jobs[mode] = run_job(mode, out, [*common, *with_teacher, *MODES[mode]], args.reuse)
+        overrides = [item.format(steps=args.steps) for item in MODES[mode]]  # {steps}: the run's train.steps
+        jobs[mode] = run_job(mode, out, [*common, *with_teacher, *overrides], args.reuse)
     curves = {mode: curve(job) for mode, job in jobs.items()}
     rl_final = curves["rl"][-1][2] if "rl" in curves else None
     results = {"teacher_accuracy": teacher_accuracy, "teacher_shape": TEACHER_SHAPE, "steps": args.steps,

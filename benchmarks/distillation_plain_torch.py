@@ -63,6 +63,8 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=15, help="topk: the teacher's ids a position (15: all)")
     parser.add_argument("--lr", type=float, default=5e-5)
     parser.add_argument("--warmup", type=int, default=0, help="linear lr warm-up steps (learner.lr_warmup_steps)")
+    parser.add_argument("--decay", type=int, default=0,
+                        help="cosine lr decay steps after the warm-up, to 0 (learner.lr_decay_steps)")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--temperature", type=float, default=1.0, help="the student's sampling temperature")
@@ -90,7 +92,7 @@ def main() -> None:
             at = {t: sampled_accuracy(model, tok, test, t) for t in (1.0, 0.6)}
             print(f"{name}: greedy {greedy:.3f}, sampled at T=1 {at[1.0]:.3f}, at T=0.6 {at[0.6]:.3f}", flush=True)
     optimizer = torch.optim.AdamW(student.parameters(), lr=args.lr, weight_decay=0.0)
-    schedule = warmup_schedule(optimizer, args.warmup)
+    schedule = warmup_schedule(optimizer, args.warmup, decay_steps=args.decay)
     print(f"held-out before {greedy_accuracy_hf(student, tok, test, verify_arithmetic):.3f}", flush=True)
     t0, kls, norms = time.perf_counter(), [], []
     for step in range(1, args.steps + 1):

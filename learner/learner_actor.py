@@ -121,7 +121,8 @@ class LearnerRank(TrainingRank, RankWeights):
                                       weight_decay=cfg.learner.weight_decay, fused=fused or None)
         ds_config = deepspeed_config(self.num_micro, cfg.learner.max_grad_norm, cfg.learner.zero_stage,
                                      cfg.model.dtype)
-        self._start_engine(deepspeed, model, optimizer, ds_config, cfg.learner.lr_warmup_steps, mpu=mpu)
+        self._start_engine(deepspeed, model, optimizer, ds_config, cfg.learner.lr_warmup_steps, mpu=mpu,
+                           decay_steps=cfg.learner.lr_decay_steps, min_ratio=cfg.learner.lr_min_ratio)
         return self.num_micro
 
     # --- scoring ---------------------------------------------------------------------------------------------

@@ -86,16 +86,21 @@ class TrainingRank(DeepSpeedRank, RankCheckpoint):
         """Data-parallel groups (ranks, or groups of sp ranks sharing one shard): the loss scale."""
         self.optimizer: torch.optim.Optimizer | None = None
         self.warmup_steps = 0
+        self.decay_steps, self.min_ratio = 0, 0.0
         self.skipped_nonfinite = 0
         """Updates skipped because the loss or the gradient norm was NaN or infinite (learner/nonfinite.py)."""
 
     def _start_engine(self, deepspeed, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_config: dict,
-                      warmup_steps: int, completed_steps: int = 0, mpu=None) -> None:
-        """deepspeed.initialize with the warm-up schedule standing after `completed_steps` optimizer steps.
-        `deepspeed` is the module, passed in because only the rank files import DeepSpeed."""
+                      warmup_steps: int, completed_steps: int = 0, mpu=None, decay_steps: int = 0,
+                      min_ratio: float = 0.0) -> None:
+        """deepspeed.initialize with the schedule (warm-up, then the policy's optional cosine decay) standing after
+        `completed_steps` optimizer steps. `deepspeed` is the module, passed in because only the rank files import
+        DeepSpeed."""
         self.optimizer, self.warmup_steps = optimizer, warmup_steps
+        self.decay_steps, self.min_ratio = decay_steps, min_ratio
         # DeepSpeed steps the schedule at every accumulation boundary, i.e. once per optimizer step.
-        schedule = warmup_schedule(optimizer, warmup_steps, completed_steps) if warmup_steps else None
+        schedule = (warmup_schedule(optimizer, warmup_steps, completed_steps, decay_steps, min_ratio)
+                    if warmup_steps or decay_steps else None)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
                                                config=ds_config, mpu=mpu)
 
@@ -103,7 +108,8 @@ class TrainingRank(DeepSpeedRank, RankCheckpoint):
         """Put the warm-up where it stands after `completed_steps` optimizer steps (a restarted critic group keeps
         its version, and its warm-up goes on from there)."""
         if self.engine.lr_scheduler is not None:
-            self.engine.lr_scheduler = warmup_schedule(self.optimizer, self.warmup_steps, completed_steps)
+            self.engine.lr_scheduler = warmup_schedule(self.optimizer, self.warmup_steps, completed_steps,
+                                                       self.decay_steps, self.min_ratio)
 
     def _optimizer_step(self, plan: list[list[int]], forward_and_loss: ForwardAndLoss,
                         summed: dict[str, float] | None = None) -> tuple[dict[str, float], StepReadings]:

@@ -49,6 +49,16 @@ class LearnerConfig(BaseModel):
     lr * min(1, k / lr_warmup_steps). Counted in optimizer steps, not batches: a batch takes ppo_epochs *
     mini_batches_per_step of them. 0: the full lr from the first step."""
 
+    lr_decay_steps: int = Field(0, ge=0, le=10_000_000)
+    """Optimizer steps after the warm-up over which the learning rate falls from `lr` to `lr * lr_min_ratio` along
+    a half cosine (learner/lr_schedule.py), then stays there; counted like lr_warmup_steps (train.steps times
+    ppo_epochs * mini_batches_per_step for the whole run). 0 (default): no decay. A decay lets a run take large
+    steps early and settle late: on the distillation demo, 2e-4 decayed over the run (docs/distillation.md)."""
+
+    lr_min_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    """The learning rate at the end of the decay, as a fraction of `lr` (0 to 1; default 0: down to zero). Read
+    only with lr_decay_steps > 0."""
+
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
 

@@ -7,7 +7,7 @@ import torch
 
 from learner.aggregation import count_normalizer
 from learner.batch import collate, score_responses
-from learner.lr_schedule import warmup_factor, warmup_schedule
+from learner.lr_schedule import schedule_factor, warmup_factor, warmup_schedule
 from learner.objective import PolicyLossInputs, compute_policy_loss, finalize_metrics
 from learner.update_plan import combine_updates, mini_batch_order
 from protocols.config import ConfigError, load_config
@@ -53,6 +53,33 @@ def test_warmup_rises_linearly_over_optimizer_steps():
     # 4 warm-up steps: steps 1..4 use 1/4, 2/4, 3/4, 1 of the lr, then 1; 0 steps: always the full lr
     assert [warmup_factor(k, 4) for k in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
     assert warmup_factor(0, 0) == 1.0
+
+
+def test_cosine_decay_after_the_warmup():
+    # 2 warm-up steps, then 4 decay steps to 0.2: steps 1, 2 use 1/2, 1; step 2 + j uses
+    # 0.2 + 0.8 * (1 + cos(pi j / 4)) / 2: j=1 0.2 + 0.4 * 1.70711 = 0.88284, j=2 0.6, j=3 0.2 + 0.4 * 0.29289 =
+    # 0.31716, j=4 0.2; then 0.2 for good
+    got = [schedule_factor(k, 2, 4, 0.2) for k in range(8)]
+    assert got == pytest.approx([0.5, 1.0, 0.88284, 0.6, 0.31716, 0.2, 0.2, 0.2], abs=1e-5)
+    # no warm-up, decay over 2 steps to 0: step 1 is at (1 + cos(pi/2)) / 2 = 0.5, step 2 at 0
+    assert [schedule_factor(k, 0, 2) for k in range(3)] == pytest.approx([0.5, 0.0, 0.0], abs=1e-12)
+    # no decay: the warm-up alone
+    assert [schedule_factor(k, 4) for k in range(6)] == [warmup_factor(k, 4) for k in range(6)]
+
+
+def test_the_schedule_sets_the_optimizer_lr_at_every_step():
+    # lr 1e-3, 1 warm-up step, 2 decay steps to 0.5: the optimizer's lr at steps 1, 2, 3, 4 is
+    # 1e-3, 1e-3 * (0.5 + 0.5 * 0.5) = 7.5e-4, 5e-4, 5e-4; started after 2 completed steps it is at 5e-4 at once
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    schedule, seen = warmup_schedule(optimizer, 1, decay_steps=2, min_ratio=0.5), []
+    for _ in range(4):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    assert seen == pytest.approx([1e-3, 7.5e-4, 5e-4, 5e-4], rel=1e-9)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    warmup_schedule(optimizer, 1, completed_steps=2, decay_steps=2, min_ratio=0.5)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(5e-4)
 
 
 def test_mini_batch_normalizer_counts_the_loss_mask_of_its_samples():
