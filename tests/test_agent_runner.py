@@ -43,17 +43,22 @@ def plain_function(task, base_url, api_key):
     return 1.0
 
 
-@pytest.fixture
-def runner(tmp_path):
+def start_runner(tmp_path, agent, timeout_s: float) -> tuple[AgentRunner, SessionBook]:
+    """An agent runner on a served session book of groups of 2, with no engine behind it (no call is answered)."""
     book = SessionBook(ChatRenderer(build_chat_tokenizer(tmp_path)), "extend", max_sessions=64, timeout_s=30.0,
                        train_group_size=2)
     settings = ServeSettings(model_name="relayrl", max_tokens=8, max_model_len=64, max_calls_in_flight=4,
                              retry_after_s=1)
     server = GatewayServer(book, CallInbox(lambda max_tokens: None), settings).start()
-    runner = AgentRunner("tests.test_agent_runner:agent", server, book, group_size=2, timeout_s=0.5)
+    return AgentRunner(agent, server, book, group_size=2, timeout_s=timeout_s), book
+
+
+@pytest.fixture
+def runner(tmp_path):
+    runner, book = start_runner(tmp_path, "tests.test_agent_runner:agent", timeout_s=0.5)
     yield runner, book
     runner.close()
-    server.stop()
+    runner.server.stop()
 
 
 def prompt(kind: str) -> Prompt:

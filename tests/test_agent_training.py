@@ -52,7 +52,10 @@ async def agent(task, base_url, api_key):
     return {"reward": reward, "correct": False}
 
 
-def test_a_run_trains_the_groups_its_in_process_agent_plays(ray_cluster, tmp_path):
+def run_agent_job(tmp_path, agent_setting: str) -> tuple[dict, list, dict[str, dict], str]:
+    """A 2-step GRPO run on the products task whose groups an in-process agent plays (`agent_setting`:
+    `gateway.agent=...` or `gateway.verifiers_env=...`) -> (summary, the trained groups, the endpoint's episode
+    records by session id, the model folder)."""
     from demos.arithmetic_model import build_random_model
     from protocols.tools import ToolsConfig
 
@@ -63,7 +66,7 @@ def test_a_run_trains_the_groups_its_in_process_agent_plays(ray_cluster, tmp_pat
         "data.format=arithmetic", "data.arithmetic_op=\"*\"", "data.arithmetic_min_operand=100",
         "data.arithmetic_max_operand=9999", "data.arithmetic_num_train=64", "data.num_eval_prompts=4",
         "data.max_prompt_tokens=24", "tools.builtin=[calculator]", "tools.call_format=hermes", "tools.max_turns=2",
-        "gateway.enabled=true", "gateway.agent=tests.test_agent_training:agent", "gateway.max_tokens=6",
+        "gateway.enabled=true", agent_setting, "gateway.max_tokens=6",
         "rollout.num_workers=1", "rollout.max_response_tokens=24", "rollout.gpu_memory_utilization=0.1",
         "rollout.max_num_seqs=16", "rollout.prompts_in_flight=4", "rollout.enforce_eager=true",
         "rollout.samples_per_prompt=2", "reward.num_workers=1", "reward.num_processes=1", "learner.num_ranks=1",
@@ -77,11 +80,16 @@ def test_a_run_trains_the_groups_its_in_process_agent_plays(ray_cluster, tmp_pat
     finally:
         trainer.shutdown()
     trained = [g for _, groups in batches for g in groups]
-    assert summary["steps"] == 2 and len(trained) == 4  # 2 steps x 2 prompts
     records = {}
     for line in (tmp_path / "run" / "gateway" / "episodes-worker-0.jsonl").read_text().splitlines():
         record = json.loads(line)
         records[record["session_id"]] = record
+    return summary, trained, records, str(model)
+
+
+def test_a_run_trains_the_groups_its_in_process_agent_plays(ray_cluster, tmp_path):
+    summary, trained, records, model = run_agent_job(tmp_path, "gateway.agent=tests.test_agent_training:agent")
+    assert summary["steps"] == 2 and len(trained) == 4  # 2 steps x 2 prompts
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)

@@ -4,7 +4,6 @@ worker goes on; the settings are checked when the config loads. With the engine,
 demos/products_vf_env.py (a verifiers-shaped environment whose agent is the stock `openai` SDK), each sample exactly
 the endpoint's per-call records, its reward the rubric's."""
 
-import json
 import math
 import os
 import re
@@ -12,15 +11,10 @@ import re
 import pytest
 
 from demos.products_vf_env import Episode, Error, ProductsEnv, Task, TaskData, Trace, load_environment
-from gateway.agent_runner import AgentRunner
-from gateway.chat_render import ChatRenderer
-from gateway.engine_bridge import CallInbox
-from gateway.server import GatewayServer, ServeSettings
-from gateway.sessions import SessionBook
 from gateway.verifiers_env import KEY_VARIABLE_PREFIX, VerifiersAgent, episode_reward, task_for
 from protocols.config import load_config
 from protocols.trajectory import Prompt
-from tests.tiny_chat_tokenizer import build_chat_tokenizer
+from tests.test_agent_runner import start_runner
 
 
 def trace(rewards: dict, metrics: dict | None = None, ok: bool = True) -> Trace:
@@ -109,16 +103,10 @@ def load_broken():
 
 @pytest.fixture
 def runner(tmp_path):
-    book = SessionBook(ChatRenderer(build_chat_tokenizer(tmp_path)), "extend", max_sessions=64, timeout_s=30.0,
-                       train_group_size=2)
-    settings = ServeSettings(model_name="relayrl", max_tokens=8, max_model_len=64, max_calls_in_flight=4,
-                             retry_after_s=1)
-    server = GatewayServer(book, CallInbox(lambda max_tokens: None), settings).start()
-    runner = AgentRunner(VerifiersAgent("tests.test_verifiers_env:load_broken"), server, book, group_size=2,
-                         timeout_s=5.0)
+    runner, book = start_runner(tmp_path, VerifiersAgent("tests.test_verifiers_env:load_broken"), timeout_s=5.0)
     yield runner, book
     runner.close()
-    server.stop()
+    runner.server.stop()
 
 
 def play(runner, book, kinds: list[str]) -> list[tuple[str, str]]:
@@ -202,39 +190,11 @@ def load_alternating():
 
 @pytest.mark.slow
 def test_a_run_trains_the_episodes_of_a_verifiers_environment(ray_cluster, tmp_path):
-    from cluster.trainer import Trainer
-    from demos.arithmetic_model import build_random_model
-    from protocols.tools import ToolsConfig
-    from tests.conftest import record_batches
-    from tests.test_agent_training import expected_sample
+    from tests.test_agent_training import expected_sample, run_agent_job
 
-    model = build_random_model(tmp_path / "model", tied=False, seed=1,
-                               tools=ToolsConfig(builtin=["calculator"], call_format="hermes"))
-    cfg = load_config(None, [
-        f"output_dir={tmp_path / 'run'}", f"model.path={model}", "model.dtype=float32", "cluster.use_gpus=false",
-        "data.format=arithmetic", "data.arithmetic_op=\"*\"", "data.arithmetic_min_operand=100",
-        "data.arithmetic_max_operand=9999", "data.arithmetic_num_train=64", "data.num_eval_prompts=4",
-        "data.max_prompt_tokens=24", "tools.builtin=[calculator]", "tools.call_format=hermes", "tools.max_turns=2",
-        "gateway.enabled=true", "gateway.verifiers_env=tests.test_verifiers_env:load_alternating",
-        "gateway.max_tokens=6", "rollout.num_workers=1", "rollout.max_response_tokens=24",
-        "rollout.gpu_memory_utilization=0.1", "rollout.max_num_seqs=16", "rollout.prompts_in_flight=4",
-        "rollout.enforce_eager=true", "rollout.samples_per_prompt=2", "reward.num_workers=1",
-        "reward.num_processes=1", "learner.num_ranks=1", "learner.zero_stage=2", "learner.prompts_per_step=2",
-        "learner.micro_batch_size=4", "learner.gradient_checkpointing=false", "algorithm.preset=grpo",
-        "train.steps=2", "train.max_staleness=4", "train.eval_every=0", "train.save_every=0",
-        "weight_sync.verify_every=0"])
-    trainer = Trainer(cfg)
-    batches = record_batches(trainer)
-    try:
-        summary = trainer.run()
-    finally:
-        trainer.shutdown()
-    trained = [g for _, groups in batches for g in groups]
+    summary, trained, records, _ = run_agent_job(
+        tmp_path, "gateway.verifiers_env=tests.test_verifiers_env:load_alternating")
     assert summary["steps"] == 2 and len(trained) == 4  # 2 steps x 2 prompts
-    records = {}
-    for line in (tmp_path / "run" / "gateway" / "episodes-worker-0.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        records[record["session_id"]] = record
     for group in trained:
         assert len(group.trajectories) == 2
         for t in group.trajectories:
