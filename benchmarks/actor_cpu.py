@@ -131,7 +131,8 @@ def main() -> None:
     result = {"steps": args.steps, "window_s": t1 - t0, "cpu_s": total, "cpu_s_per_step": total / args.steps,
               "train_s_per_step": summary["train_seconds"] / args.steps,
               "phase_s_per_step": {k: v / args.steps for k, v in summary["phase_seconds"].items()},
-              "per_process_cpu_s_per_step": {k: v / args.steps for k, v in sorted(per_name.items(), key=lambda kv: -kv[1])},
+              "per_process_cpu_s_per_step": {k: v / args.steps
+                                             for k, v in sorted(per_name.items(), key=lambda kv: -kv[1])},
               "load_average_end": os.getloadavg()[0], "overrides": args.overrides, "spy": spy_report}
     (out / "actor_cpu.json").write_text(json.dumps(result, indent=1))
     print(f"{args.steps} steps in {t1 - t0:.1f} s: {result['train_s_per_step']:.3f} s/step "

@@ -1,8 +1,9 @@
 """The session endpoint of one rollout worker (gateway.enabled): its sessions, its call inbox and its HTTP server,
 built from the run's config. The worker's loop calls `pump` before each engine step and hands the groups of
 finished sessions (`take_groups`) to the controller as scored groups: their reward came from the client, so no
-reward worker scores them again. With gateway.agent (or gateway.verifiers_env), the service also runs that agent on the prompts the worker
-leases (gateway/agent_runner.py): their groups come back the same way, under the leased ids."""
+reward worker scores them again. With gateway.agent (or gateway.verifiers_env), the service also runs that agent
+on the prompts the worker leases (gateway/agent_runner.py): their groups come back the same way, under the leased
+ids."""
 
 import json
 from pathlib import Path
