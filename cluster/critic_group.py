@@ -67,7 +67,8 @@ class CriticGroup:
         if cfg.critic.num_workers < 1:
             raise ValueError("CriticGroup needs critic.num_workers >= 1")
         self.version = 0
-        """Updates the group has taken (the ranks' own count); a restarted group continues from it."""
+        """Updates the group has launched, a lost one included: the one count of the critic's version. The ranks
+        are told it (train_step, set_version) and stamp it on values; a restarted group continues from it."""
         self.lost: tuple[int, BaseException] | None = None
         """(rank, error) of a rank found dead during an update; the supervisor restarts the group."""
         self.ranks: list = []
@@ -134,7 +135,7 @@ class CriticGroup:
                 version = ray.get(version_ref, timeout=limit)
             except (ray.exceptions.RayError, TimeoutError):
                 continue  # died too, or stuck: the next survivor, else a checkpoint
-            state_ref, self.version = ref, max(self.version, version)
+            state_ref = ref
             source = (f"the full weights of surviving rank {r} (version {version}); lost: the Adam moments and the "
                       "fp32 master weights' rounding (a rank that died during an update may leave part of it in)")
             break
@@ -180,7 +181,10 @@ class CriticGroup:
         returns_var = float(flat.var(unbiased=False)) if flat.numel() else 0.0
         if num_tokens == 0:  # nothing to fit (every sample masked): no update, the version stays
             return [], returns_var
-        refs = self.group.call_sharded("train_step", batch, self._plan(batch), num_tokens)
+        # counted when launched: a lost update counts too, so values stamped after a restart pass the queue's
+        # critic staleness check as if it had been taken (else every later group would be one version behind)
+        self.version += 1
+        refs = self.group.call_sharded("train_step", batch, self._plan(batch), num_tokens, self.version)
         return refs, returns_var
 
     def finish(self, started) -> dict[str, float]:
@@ -195,16 +199,12 @@ class CriticGroup:
             parts = self.group.gather(refs, "an update")
         except LearnerRankLost as err:
             self.lost = (err.ranks[0], err.__cause__ or err)
-            # the lost update still counts: values stamped after the restart must pass the queue's critic
-            # staleness check as if it had been taken (else every later group would be one version behind)
-            self.version += 1
             log.warning("critic rank %d died during an update; the update is lost", err.ranks[0])
             return {"critic/update_lost": 1.0}
         # the learning rate and the version are the same on every rank: rank 0's stand; the rest merge by the rule
         shared = {key: parts[0][key] for key in RANK_INVARIANT if key in parts[0]}
         summed = {**combine_metrics({k: v for k, v in part.items() if k not in RANK_INVARIANT} for part in parts),
                   **shared}
-        self.version = int(summed.get("critic/version", self.version))
         return finalize_value_metrics(summed, returns_var)
 
     def train_step(self, batch: TrainingBatch) -> dict[str, float]:

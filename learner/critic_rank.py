@@ -36,7 +36,8 @@ class CriticRank(TrainingRank):
         super().__init__(cfg, rank, world_size, model_path)
         self.micro_batching = MicroBatching.of_critic(cfg)
         self.version = 0
-        """Critic updates taken; stamped on the values this rank computes."""
+        """The critic's version as the group last told it (cluster/critic_group.py counts the updates; this rank
+        only holds the number): stamped on the values it computes and saved in its checkpoints."""
 
     def setup(self, master_addr: str, master_port: int, module_state: dict | None = None, version: int = 0) -> int:
         """Join the critic's process group and build its DeepSpeed engine. Every rank must call it together.
@@ -87,12 +88,13 @@ class CriticRank(TrainingRank):
                 out[torch.tensor(idx), : part.width] = response_values(module, batch).float().cpu()
         return out, self.version
 
-    def train_step(self, shard: TrainingBatch, num_tokens: float,
+    def train_step(self, shard: TrainingBatch, num_tokens: float, version: int,
                    plan: list[list[int]] | None = None) -> dict[str, float]:
         """One critic update on this rank's shard of the batch (returns the targets, values the old values, on
         its loss tokens), in the micro-batches of `plan` (the driver's, the same count on every rank; None: this
         rank's own plan, for a rank that runs alone). num_tokens: loss tokens of the whole global batch (the
-        normalizer). Returns summed metrics (learner/value_loss.finalize_value_metrics)."""
+        normalizer); version: the group's update count with this update taken, stamped from now on. Returns
+        summed metrics (learner/value_loss.finalize_value_metrics)."""
         c = self.cfg.critic
         start = time.perf_counter()
         plan = plan if plan is not None else plan_one_shard(shard, self.micro_batching)
@@ -105,7 +107,7 @@ class CriticRank(TrainingRank):
             return loss, values, metrics
 
         summed, readings = self._optimizer_step(plan, forward_and_loss)
-        self.version += 1
+        self.version = version
         summed["critic/grad_norm_max"] = readings.grad_norm
         summed["critic/lr"] = readings.lr
         summed["critic/version"] = float(self.version)
@@ -131,9 +133,6 @@ class CriticRank(TrainingRank):
 
     def restore_client_state(self, state: dict) -> None:
         self.version = int(state["version"])
-
-    def get_version(self) -> int:
-        return self.version
 
     def set_version(self, version: int) -> None:
         """The group's version after a restart (updates lost with a dead rank count too); the warm-up follows."""
