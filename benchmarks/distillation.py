@@ -20,6 +20,8 @@ other, with the same seed, steps and held-out evaluations every `--eval-every` s
     distill_full_128x2_cos  the forward KL from all 15 of the teacher's tokens (the full forward KL), 128 x 2,
              lr 2e-4 falling along a half cosine to 0 over the run (learner.lr_decay_steps = --steps): large steps
              early, small ones late to settle near the teacher instead of bouncing around it
+    distill_full_256x1_cos  distill_full_128x2_cos on 256 prompts x 1 sample: the same samples a step, each from
+             its own prompt
     distill_full_128x2_cos_t06  the same with the student sampling at temperature 0.6 (both models scored at
              0.6): positions nearer the student's greedy path, which the held-out evaluation follows
 
@@ -73,6 +75,12 @@ MODES = {
     "distill_full_128x2_cos": ["algorithm.dynamic_sampling=false", "algorithm.distillation.weight=1",
                                "algorithm.distillation.top_k=15", "learner.prompts_per_step=128",
                                "rollout.samples_per_prompt=2", "rollout.prompts_in_flight=128",
+                               "learner.lr=2e-4", "learner.lr_decay_steps={steps}"],
+    # Groups of one sample (pure distillation needs no group baseline): the same 256 samples a step as 128 x 2,
+    # each from its own prompt.
+    "distill_full_256x1_cos": ["algorithm.dynamic_sampling=false", "algorithm.distillation.weight=1",
+                               "algorithm.distillation.top_k=15", "learner.prompts_per_step=256",
+                               "rollout.samples_per_prompt=1", "rollout.prompts_in_flight=256",
                                "learner.lr=2e-4", "learner.lr_decay_steps={steps}"],
     # The student's samples nearer its greedy path, which the held-out evaluation follows (measured to step 150).
     "distill_full_128x2_cos_t06": ["algorithm.dynamic_sampling=false", "algorithm.distillation.weight=1",

@@ -290,6 +290,13 @@ class RunConfig(BaseModel):
                 "sampling drops groups whose rewards are all equal, but under pure distillation every group carries "
                 "the teacher's per-token signal, so they would be thrown away for nothing. Set "
                 "algorithm.dynamic_sampling=false (or use a preset without it, e.g. grpo), or lower the weight")
+        if self.rollout.samples_per_prompt == 1 and (weight < 1.0 or self.algorithm.advantage.type == "rloo"):
+            raise ValueError(
+                f"rollout.samples_per_prompt=1 with algorithm.distillation.weight={weight} and advantage type "
+                f"{self.algorithm.advantage.type!r}: the verifier's advantage compares the samples of a group, so a "
+                "group of one carries no reward signal (and rloo's leave-one-out baseline has no other sample). Set "
+                "rollout.samples_per_prompt=2 or more, or algorithm.distillation.weight=1 (pure distillation) with a "
+                "preset other than rloo")
         top_k = self.algorithm.distillation.top_k
         if top_k and weight == 0:
             raise ValueError(

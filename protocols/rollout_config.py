@@ -12,8 +12,10 @@ class RolloutConfig(BaseModel):
     num_workers: int = Field(1, ge=1)
     """Rollout workers, each owning one vLLM engine. Raise it to generate faster; the learner is unchanged."""
 
-    samples_per_prompt: int = Field(8, ge=2)
-    """Group size G. Group baselines need at least two samples; 8 to 16 is common for GRPO."""
+    samples_per_prompt: int = Field(8, ge=1)
+    """Group size G. Group baselines need at least two samples; 8 to 16 is common for GRPO. 1 only under pure
+    distillation (algorithm.distillation.weight=1): the teacher's per-token signal needs no group, so each sample
+    may come from another prompt."""
 
     max_response_tokens: int = Field(16, ge=1)
     """Responses stop here and are marked truncated (finish_reason `length`)."""

@@ -93,6 +93,26 @@ def test_pure_distillation_trains_a_group_whose_rewards_are_all_equal():
     assert prepared.metrics["teacher/advantage_share"] == 1.0
 
 
+def test_pure_distillation_takes_groups_of_one_sample_each_from_its_own_prompt():
+    # G = 1: rewards [1, 0] are two groups of one (grpo gives each exactly 0); weight 1 trains on the teacher's
+    # advantages alone: sample 0 [-0.5 - -1, -2 - -1] = [0.5, -1], sample 1 [-3 - -1, -1 - -1] = [-2, 0]
+    cfg = load_config(None, ["algorithm.preset=grpo", "algorithm.kl.beta=0", "rollout.samples_per_prompt=1",
+                             "learner.prompts_per_step=2", "algorithm.distillation.weight=1", *TEACHER])
+    prepared = prepare_batch(_batch([1.0, 0.0], [[-0.5, -2.0], [-3.0, -1.0]]), cfg)
+    torch.testing.assert_close(prepared.batch.advantages, torch.tensor([[0.5, -1.0], [-2.0, 0.0]]))
+    assert prepared.metrics["teacher/advantage_share"] == 1.0
+
+
+def test_groups_of_one_sample_are_refused_where_the_reward_trains():
+    for overrides in (["algorithm.distillation.weight=0.5", *TEACHER], []):
+        with pytest.raises(ConfigError, match=r"rollout.samples_per_prompt=1 with algorithm.distillation.weight="
+                                              r".*Set rollout.samples_per_prompt=2 or more"):
+            load_config(None, ["algorithm.preset=grpo", "rollout.samples_per_prompt=1", *overrides])
+    with pytest.raises(ConfigError, match=r"advantage type 'rloo'"):
+        load_config(None, ["algorithm.preset=rloo", "rollout.samples_per_prompt=1",
+                           "algorithm.distillation.weight=1", *TEACHER])
+
+
 def test_weight_zero_measures_the_teacher_and_trains_on_the_reward():
     cfg = load_config(None, ["algorithm.preset=dr_grpo", "rollout.samples_per_prompt=2", *TEACHER])
     prepared = prepare_batch(_batch([1.0, 0.0], [[-0.5, -2.0]] * 2), cfg)
