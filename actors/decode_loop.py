@@ -309,8 +309,8 @@ class DecodeLoop:
             # Tokens the engine did not sample (a tool's output) go in through append_tool_output, which masks them.
             raise ValueError(
                 f"sample {sample.group_id}/{sample.index}: a continuation must start from the sample's exact prefix "
-                f"(prompt + the {len(sample.response_token_ids)} tokens sampled so far), got {len(decision.prefix_ids)} "
-                "different tokens; build it with SampleInFlight.continue_here()")
+                f"(prompt + the {len(sample.response_token_ids)} tokens sampled so far), got "
+                f"{len(decision.prefix_ids)} different tokens; build it with SampleInFlight.continue_here()")
         if not 0 < decision.max_tokens <= sample.tokens_left:
             raise ValueError(
                 f"sample {sample.group_id}/{sample.index}: a continuation's max_tokens={decision.max_tokens} must be "

@@ -22,9 +22,8 @@ from protocols.rollout_config import RolloutConfig
 from protocols.tools import ToolsConfig
 from protocols.weight_sync import CollectiveSync, ObjectStoreSync, SyncCheck, WeightSyncConfig
 
-__all__ = ["RAY_BUILTIN_RESOURCES", "ClusterConfig", "CriticConfig", "LearnerConfig", "ReferenceConfig", "RolloutConfig", "RunConfig",
-           "TeacherConfig",
-           "load_config", "dump_config", "ConfigError"]
+__all__ = ["RAY_BUILTIN_RESOURCES", "ClusterConfig", "CriticConfig", "LearnerConfig", "ReferenceConfig", "RolloutConfig",
+           "RunConfig", "TeacherConfig", "load_config", "dump_config", "ConfigError"]
 
 
 class TrainConfig(BaseModel):
