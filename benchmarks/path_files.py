@@ -122,18 +122,22 @@ def path_table(lines_by_process: list[tuple[str, dict[str, set[int]]]], root: Pa
                packages: tuple[str, ...] = PACKAGES) -> dict:
     """[(process kind, {path: line numbers run in the window})] -> the count of distinct library files, the files of
     each kind, and per file the kinds that ran it and how many of its lines ran (in any process). Paths outside
-    the library are dropped; kinds that ran none are left out."""
+    the library are dropped; kinds and processes that ran none are left out."""
     per_kind: dict[str, set[str]] = defaultdict(set)
     lines_run: dict[str, set[int]] = defaultdict(set)
+    processes = 0
     for kind, lines in lines_by_process:
+        ran = False
         for path, numbers in lines.items():
             rel = library_file(path, root, packages)
             if rel and numbers:
                 per_kind[kind].add(rel)
                 lines_run[rel] |= set(numbers)
+                ran = True
+        processes += ran
     files = {rel: {"kinds": sorted(kind for kind, ran in per_kind.items() if rel in ran),
                    "lines_run": len(lines_run[rel])} for rel in sorted(lines_run)}
-    return {"count": len(files), "num_kinds": len(per_kind),
+    return {"count": len(files), "num_kinds": len(per_kind), "processes": processes,
             "per_kind": {kind: sorted(ran) for kind, ran in sorted(per_kind.items())}, "files": files}
 
 
@@ -260,7 +264,7 @@ def report(out: Path, probe: Path, marks: dict) -> None:
     """Read every process's data file, write path_files.json and .md under `out`, and print the table."""
     found, unnamed = collect(probe)
     table = path_table(found)
-    table.update({"window": marks, "processes": len(found), "unnamed_data_files": unnamed})
+    table.update({"window": marks, "unnamed_data_files": unnamed})
     (out / "path_files.json").write_text(json.dumps(table, indent=1))
     file_lines = {rel: len((REPO / rel).read_text().splitlines()) for rel in table["files"]}
     (out / "path_files.md").write_text(markdown(table, file_lines))
@@ -271,7 +275,7 @@ def report(out: Path, probe: Path, marks: dict) -> None:
     if unnamed:
         print(f"data files with steady lines from processes that did not name themselves: {unnamed}")
     print(f"library files on the path: {table['count']} in {table['num_kinds']} process kinds "
-          f"({len(found)} processes, steps {marks['steady'] + 1} to {marks['end']} of {marks['steps']})")
+          f"({table['processes']} processes, steps {marks['steady'] + 1} to {marks['end']} of {marks['steps']})")
 
 
 if __name__ == "__main__":

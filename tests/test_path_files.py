@@ -46,6 +46,7 @@ def test_path_table_counts_distinct_library_files_and_kinds():
     table = path_table(found, ROOT)
     # trainer, prepare, policy_losses, object_store: 4 distinct files in 2 kinds
     assert table["count"] == 4 and table["num_kinds"] == 2
+    assert table["processes"] == 3  # the driver and the two ranks: the other two entries ran no library line
     assert table["per_kind"] == {"driver": ["cluster/trainer.py", "learner/prepare.py"],
                                  "learner rank": ["learner/policy_losses.py", "learner/prepare.py",
                                                   "weights/object_store.py"]}
