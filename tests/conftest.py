@@ -85,8 +85,8 @@ REPLACES_SESSION_RAY = frozenset({"three_nodes"})
 def pytest_collection_modifyitems(config, items):
     """Pure tests first (a failure there shows in seconds, not after the real stack's minutes), then the slow ones,
     then those that replace the session's Ray; the collection order is kept within each part (a stable sort).
-    Under pytest-xdist (`make test`) those come first among the slow ones instead: they run as one group on one
-    worker (xdist_group), minutes long, and started last they would leave the other worker idle at the end."""
+    Under pytest-xdist (TEST_WORKERS=2) those come first among the slow ones instead: each module runs whole on one
+    worker (--dist loadfile), minutes long, and started last they would leave the other worker idle at the end."""
     replacing_part = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 3
 
     def part(item) -> int:
