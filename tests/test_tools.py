@@ -16,7 +16,7 @@ from rewards.tools import MAX_EXPRESSION_DEPTH, MAX_RESULT_DIGITS, ToolBox, calc
 
 # As the sandbox tests: wall limit generous for a loaded machine, CPU limit short.
 # A uid base of this module's own (the default's is 200000, tests/test_sandbox.py's 100_000_000): the count of
-# sandbox processes left on the host sees only this module's, whatever runs beside it (make test's two processes).
+# sandbox processes left on the host sees only this module's, whatever runs beside it (TEST_WORKERS=2).
 REWARD = RewardConfig(code=CodeSandboxConfig(run_timeout_s=5.0, cpu_time_s=2, sandbox_uid_base=300_000_000))
 UID_RANGE = range(REWARD.code.sandbox_uid_base, REWARD.code.sandbox_uid_base + (1 << 22))  # base + a launcher pid
 TOOLS = ToolsConfig(builtin=["python", "calculator"], timeout_s=8.0)
