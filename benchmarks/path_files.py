@@ -219,7 +219,7 @@ def main() -> None:
 def run_job(args: argparse.Namespace, out: Path, probe: Path) -> None:
     """Run the job with coverage in every process, and move the phase file through the window."""
     if probe.exists():
-        for stale in [*probe.glob("proc.*.json"), *(probe / "data").glob(".coverage*"), *probe.glob("*.json")]:
+        for stale in [*(probe / "data").glob(".coverage*"), *probe.glob("*.json")]:  # proc.*.json, marks.json
             stale.unlink()
     (probe / "data").mkdir(parents=True, exist_ok=True)
     (probe / "sitecustomize.py").write_text(SITECUSTOMIZE)
