@@ -30,6 +30,11 @@ against training seconds, the steps and seconds each mode takes to reach the RL 
 teacher's own held-out accuracy measured by the same evaluation (the held-out accuracy before training of a
 one-step job on the teacher).
 
+The mid-run evaluations use the job's 200 held-out problems; one of them has a standard error of 2 to 3 points,
+the size of the second goal's margin. So after the jobs, the teacher and every mode's final model are evaluated
+greedily on the whole held-out split (`relayrl eval`, 1,021 problems for the demo's operands), and each mode's gap
+to the teacher is the mean of the per-problem differences, with the standard error of that paired mean.
+
     python benchmarks/distillation.py --steps 200 --eval-every 10 --out runs/bench_distill [key=value ...]
 
 Run it on an otherwise idle machine: the jobs run one after the other, so load that changes between them moves
@@ -43,6 +48,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -132,6 +139,41 @@ def curve(job: dict) -> list[tuple[int, float, float]]:
     return points
 
 
+def whole_test_split(job_config: dict) -> int:
+    """How many problems the held-out split holds for the job's operands (the final evaluation takes them all)."""
+    from rewards.arithmetic_data import pair_split
+
+    data = job_config["data"]
+    operands = range(data["arithmetic_min_operand"], data["arithmetic_max_operand"] + 1)
+    return sum(pair_split(a, b) == "test" for a in operands for b in operands)
+
+
+def evaluate_final(name: str, out: Path, model: str, prompts: int, reuse: bool = False) -> dict[str, bool]:
+    """Greedy correctness per held-out problem id of `model` on `prompts` problems, through `relayrl eval` with
+    the job's own settings (its config.yaml). `reuse`: read an evaluation already in the job's folder."""
+    folder = out / name / "eval_whole_split"
+    if not (reuse and (folder / "generations.jsonl").is_file()):
+        cmd = [sys.executable, "-m", "cli.main", "eval", "--model", model, "--data", "demo", "--samples", "0",
+               "--num-prompts", str(prompts), "--config", str(out / name / "config.yaml"), "--output-dir",
+               str(folder)]
+        with open(out / f"{name}_eval.log", "w") as log:
+            subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True, env=os.environ.copy())
+    rows = [json.loads(line) for line in (folder / "generations.jsonl").read_text().splitlines()]
+    return {row["prompt_id"]: bool(row["correct"]) for row in rows}
+
+
+def paired_gap(teacher: dict[str, bool], student: dict[str, bool]) -> tuple[float, float]:
+    """(mean, standard error) of teacher minus student correctness over the problems both answered, in accuracy
+    units. Paired: the two models answer the same problems, so the problems' own difficulty cancels."""
+    diffs = [int(teacher[key]) - int(student[key]) for key in teacher.keys() & student.keys()]
+    n = len(diffs)
+    if n < 2:
+        raise ValueError(f"paired_gap needs at least 2 problems answered by both models, got {n}")
+    mean = sum(diffs) / n
+    variance = sum((d - mean) ** 2 for d in diffs) / (n - 1)
+    return mean, (variance / n) ** 0.5
+
+
 def first_reaching(points: list[tuple[int, float, float]], target: float) -> tuple[int, float] | None:
     """(step, seconds) of the first evaluation at or above `target`; None if none."""
     return next(((step, s) for step, s, acc in points if acc >= target - 1e-9), None)
@@ -159,6 +201,24 @@ def plot(curves: dict[str, list], teacher_accuracy: float, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def final_evaluation(out: Path, teacher: str, modes: list[str], reuse: bool, results: dict) -> list[str]:
+    """The teacher and each mode's final model on the whole held-out split; the table's lines, and
+    `results["whole_split"]`."""
+    prompts = whole_test_split(yaml.safe_load((out / "teacher" / "config.yaml").read_text()))
+    teacher_correct = evaluate_final("teacher", out, teacher, prompts, reuse)
+    teacher_accuracy = sum(teacher_correct.values()) / len(teacher_correct)
+    whole = results["whole_split"] = {"prompts": prompts, "teacher": teacher_accuracy, "modes": {}}
+    lines = [f"\nThe whole held-out split ({prompts} problems, greedy): teacher {teacher_accuracy:.3f}",
+             "| mode | after | gap to the teacher (points) | its standard error (paired) |", "| --- | --- | --- | --- |"]
+    for mode in modes:
+        correct = evaluate_final(mode, out, str(out / mode / "final_model"), prompts, reuse)
+        gap, stderr = paired_gap(teacher_correct, correct)
+        accuracy = sum(correct.values()) / len(correct)
+        whole["modes"][mode] = {"accuracy": accuracy, "gap": gap, "gap_stderr": stderr}
+        lines.append(f"| {mode} | {accuracy:.3f} | {100 * gap:.1f} | {100 * stderr:.1f} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
@@ -166,6 +226,8 @@ def main() -> None:
     parser.add_argument("--out", default="runs/bench_distill")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--reuse", action="store_true", help="read jobs already finished in --out")
+    parser.add_argument("--no-final-eval", action="store_true",
+                        help="skip the greedy evaluation of the teacher and every final model on the whole held-out split")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for every job")
     args = parser.parse_args()
     out = Path(args.out)
@@ -197,6 +259,8 @@ def main() -> None:
         lines.append(f"| {mode} | {points[0][2]:.3f} | {points[-1][2]:.3f} | {points[-1][1]:.1f} | "
                      f"{reach[0] if reach else '-'} | {f'{reach[1]:.1f}' if reach else '-'} |")
     lines.append(f"\nTeacher held-out accuracy: {teacher_accuracy:.3f}")
+    if not args.no_final_eval:
+        lines += final_evaluation(out, teacher, list(jobs), args.reuse, results)
     table = "\n".join(lines)
     print(table)
     (out / "table.md").write_text(table + "\n")
