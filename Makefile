@@ -31,10 +31,10 @@ train-outside: install
 	$(VENV)/bin/relayrl train --config deploy/configs/demo_outside.yaml $(ARGS) & \
 	$(VENV)/bin/python demos/outside_agent.py runs/demo_outside; wait
 
-# On-policy distillation (docs/distillation.md): a longer-trained teacher, then RL, distillation and the mix from
-# the same student on the addition demo, with the teacher's sampled token and with its top-k (ten jobs, one after
-# the other; ARGS="--modes rl,distill_topk_128x2_lr2e-4" for two, ARGS="--steps 800 --modes
-# rl,distill_full_128x2_cos" for the longest run with the lr decay); writes
+# On-policy distillation (docs/distillation.md): a longer-trained teacher, then RL, the mix and distillation from
+# the same student on the addition demo (three jobs of 200 steps, one after the other, then every final model and
+# the teacher on the whole held-out split; ARGS="--steps 800 --modes rl,distill_full_256x1_cos" for the run behind
+# the goals, ARGS="--modes ..." for any of the benchmark's eleven modes); writes
 # runs/distill/{table.md,results.json,distillation.png}.
 train-distill: install
 	$(VENV)/bin/python benchmarks/distillation.py --out runs/distill $(ARGS)

@@ -98,6 +98,10 @@ MODES = {
 """Overrides of each mode over the shipped demo job. Dynamic sampling is off when the teacher trains: a group whose
 rewards are all equal still carries the teacher's per-token signal."""
 
+DEFAULT_MODES = ("rl", "mix_topk", "distill_full_256x1_cos")
+"""What `make train-distill` runs: RL, the mix and the best distillation, side by side (about 20 minutes on the
+2-core machine at the default 200 steps; docs/distillation.md)."""
+
 
 def build_teacher() -> str:
     """The cached teacher folder (built on first use: a few minutes of supervised steps on 2 cores)."""
@@ -224,7 +228,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--out", default="runs/bench_distill")
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                        help=f"comma-separated, of {', '.join(MODES)} (default: %(default)s)")
     parser.add_argument("--reuse", action="store_true", help="read jobs already finished in --out")
     parser.add_argument("--no-final-eval", action="store_true",
                         help="skip the greedy evaluation of the teacher and every final model on the whole held-out split")
