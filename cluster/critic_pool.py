@@ -97,13 +97,15 @@ class CriticPool(WorkerPool):
                          "ranks hold one data-parallel model and train together; set critic.num_workers and resume")
 
     # --- training beside the policy -------------------------------------------------------------------------------
+    @property
+    def trains(self) -> bool:
+        return self.group is not None
+
     def start_update(self, batch):
         """The critic's update on the batch's GAE returns (learner/prepare.py), while the policy's runs."""
-        return self.group.start_train(batch) if self.group is not None else None
+        return self.group.start_train(batch)
 
     def finish_update(self, started, policy_version: int, groups: list) -> dict[str, float]:
-        if started is None:
-            return {}
         metrics = self.group.finish(started)
         oldest = min(t.critic_version for g in groups for t in g.trajectories)
         return {**metrics, "critic/staleness_max": float(policy_version - oldest)}

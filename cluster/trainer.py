@@ -123,6 +123,7 @@ class Trainer:
         self.rollout_workers = self.pools["rollout"].workers
         self.reward_workers = self.pools["reward"].workers
         self.reference_workers = self.pools["reference"].workers
+        self.training_pools = [pool for pool in self.pools.values() if pool.trains]  # PPO's critic, or none
         self.learner.join_weight_group(self.rollout_workers)  # nothing to join unless the transport forms a group
         # worker failure: health checks, replacements and bounded waits, pool by pool
         self.supervisor = Supervisor(cfg, self.controller, self.pools)
@@ -157,11 +158,11 @@ class Trainer:
         batch, rewards, normalizer = prepared.batch, prepared.shaped_rewards, prepared.normalizer
         t0 = time.perf_counter()
         # roles that train beside the policy (PPO's critic) run their updates while the policy's does
-        updates = {name: pool.start_update(batch) for name, pool in self.pools.items()}
+        updates = [(pool, pool.start_update(batch)) for pool in self.training_pools]
         summed = self.learner.train_step(batch, normalizer)
         pool_metrics = {}
-        for name, pool in self.pools.items():
-            pool_metrics.update(pool.finish_update(updates[name], self.version, groups))
+        for pool, started in updates:
+            pool_metrics.update(pool.finish_update(started, self.version, groups))
         learner_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         # the supervisor's: a collective broadcast that meets a dead engine is resent after its replacement

@@ -263,15 +263,21 @@ class WorkerPool:
         raise NotImplementedError
 
     # --- training beside the policy (nothing to train by default) ------------------------------------------------
+    @property
+    def trains(self) -> bool:
+        """Whether this role trains beside the policy each step; the driver calls `start_update` and
+        `finish_update` only on the pools that do."""
+        return False
+
     def start_update(self, batch):
         """Launch this role's own update on the step's prepared batch, to run while the policy's does (PPO's critic
-        fits the batch's `returns`); returns what `finish_update` needs, or None when the role trains nothing."""
-        return None
+        fits the batch's `returns`); returns what `finish_update` needs."""
+        raise NotImplementedError(f"the {type(self).__name__} pool trains nothing (its `trains` is False)")
 
     def finish_update(self, started, policy_version: int, groups: list) -> dict[str, float]:
         """Wait for the update `start_update` launched; its metrics. `policy_version`: the version the batch was
         trained at; `groups`: the batch's TrajectoryGroups."""
-        return {}
+        raise NotImplementedError(f"the {type(self).__name__} pool trains nothing (its `trains` is False)")
 
     # --- checkpoints and the end of the run (nothing to keep by default) -------------------------------------------
     def save_state(self, folder) -> dict:
