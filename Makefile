@@ -42,7 +42,7 @@ train-distill: install
 # Pure tests run first (tests/conftest.py orders them), and the 20 slowest are listed at the end of every run
 # so that a test that grows shows. TEST_WORKERS=2 shares the tests between two pytest-xdist processes, a module whole
 # on one of them (--dist loadfile: a costly module fixture, an engine or a three-node cluster, starts once;
-# xdist_group marks do not group tests under pytest 9.2 with pytest-xdist 3.8, whose rename of the test ids pytest
+# xdist_group marks would not do it under pytest 9.2 with pytest-xdist 3.8, whose rename of the test ids pytest
 # no longer reads). On the 2-core development machine that measured 22 min 23 s against 23 min 47 s in one process,
 # and two tests failed (a Ray start and the sandbox's fork bomb timed out beside the other process); the pure tests
 # alone took 2 min 15 s in two processes against 3 min 4 s in one, but a sandbox test with a 15 s limit failed in

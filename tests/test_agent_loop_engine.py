@@ -23,8 +23,7 @@ from actors.agent_loop import AgentLoop
 from actors.decode_loop import DecodeLoop
 from protocols.trajectory import Prompt
 
-# One xdist worker runs the whole module: its module fixture is built once.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("agent_loop_engine")]
+pytestmark = pytest.mark.slow
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 CALL_TEXT = "<tool_call>calculator:12*34</tool_call>"

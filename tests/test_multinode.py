@@ -18,8 +18,7 @@ from cluster.trainer import Trainer
 from protocols.config import load_config
 from tests.conftest import TEST_ENV_VARS
 
-# One xdist worker runs the whole module: its module fixture is built once.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multinode")]
+pytestmark = pytest.mark.slow
 
 OBJECT_STORE_BYTES = 300 * 1024**2
 

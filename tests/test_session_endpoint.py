@@ -18,7 +18,7 @@ import torch
 from gateway.engine_bridge import EngineThread
 from tests.tiny_chat_tokenizer import build_chat_tokenizer
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("session_endpoint")]
+pytestmark = pytest.mark.slow
 
 TOOLS = [{"type": "function", "function": {"name": "calc", "description": "Evaluate an arithmetic expression.",
                                            "parameters": {"type": "object",
