@@ -99,7 +99,7 @@ MODES = {
 rewards are all equal still carries the teacher's per-token signal."""
 
 DEFAULT_MODES = ("rl", "mix_topk", "distill_full_256x1_cos")
-"""What `make train-distill` runs: RL, the mix and the best distillation, side by side (about 20 minutes on the
+"""What `make train-distill` runs: RL, the mix and the best distillation, side by side (35 minutes on the loaded
 2-core machine at the default 200 steps; docs/distillation.md)."""
 
 
