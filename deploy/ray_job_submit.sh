@@ -8,6 +8,7 @@
 #   RAY_DASHBOARD_ADDRESS  the head's dashboard (job API), default http://127.0.0.1:8265
 #   RELAYRL_SUBMIT_ARGS    extra `ray job submit` options, e.g. "--no-wait --submission-id gsm8k-1"
 #   RAY                    the ray command, default `ray` on PATH
+#   RELAYRL_SUBMIT_WAIT_S  how long to keep submitting while a just-started head has no job agent yet (default 120)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ADDRESS=${RAY_DASHBOARD_ADDRESS:-http://127.0.0.1:8265}
@@ -19,6 +20,26 @@ fi
 RAY=${RAY:-ray}
 # Uploads are capped (512 MiB); the virtual env, run folders and build outputs never belong in them.
 RUNTIME_ENV='{"excludes": [".venv/", ".git", "runs/", ".cache/", "build/", ".whl/", "*.egg-info/", "**/__pycache__/", ".pytest_cache/"]}'
-# shellcheck disable=SC2086  # RELAYRL_SUBMIT_ARGS is a list of options
-exec "$RAY" job submit --address "$ADDRESS" --working-dir . --runtime-env-json "$RUNTIME_ENV" \
-  ${RELAYRL_SUBMIT_ARGS:-} -- relayrl train "$@"
+# A head that has just started answers before its job agent is up, and Ray refuses the job with "No available
+# agent to submit job, please try again later": nothing was submitted, so submit again, within the wait.
+NO_AGENT="No available agent to submit job"
+deadline=$((SECONDS + ${RELAYRL_SUBMIT_WAIT_S:-120}))
+output=$(mktemp)
+trap 'rm -f "$output"' EXIT
+while true; do
+  set +e
+  # shellcheck disable=SC2086  # RELAYRL_SUBMIT_ARGS is a list of options
+  "$RAY" job submit --address "$ADDRESS" --working-dir . --runtime-env-json "$RUNTIME_ENV" \
+    ${RELAYRL_SUBMIT_ARGS:-} -- relayrl train "$@" 2>&1 | tee "$output"
+  status=${PIPESTATUS[0]}
+  set -e
+  if [ "$status" -eq 0 ] || ! grep -q "$NO_AGENT" "$output"; then
+    exit "$status"
+  fi
+  if [ "$SECONDS" -ge "$deadline" ]; then
+    echo "ray_job_submit.sh: the head at $ADDRESS still had no job agent after RELAYRL_SUBMIT_WAIT_S=${RELAYRL_SUBMIT_WAIT_S:-120} s; check its dashboard agent (ray status, its logs) or raise the wait" >&2
+    exit "$status"
+  fi
+  echo "ray_job_submit.sh: the head's job agent is not up yet; submitting again in 2 s" >&2
+  sleep 2
+done
