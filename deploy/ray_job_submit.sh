@@ -22,18 +22,21 @@ RAY=${RAY:-ray}
 RUNTIME_ENV='{"excludes": [".venv/", ".git", "runs/", ".cache/", "build/", ".whl/", "*.egg-info/", "**/__pycache__/", ".pytest_cache/"]}'
 # A head that has just started answers before its job agent is up, and Ray refuses the job with "No available
 # agent to submit job, please try again later": nothing was submitted, so submit again, within the wait.
+# The output streams through as it comes (a whole run's logs); only the refusal's mark is kept aside.
 NO_AGENT="No available agent to submit job"
 deadline=$((SECONDS + ${RELAYRL_SUBMIT_WAIT_S:-120}))
-output=$(mktemp)
-trap 'rm -f "$output"' EXIT
+refused=$(mktemp -u)
+trap 'rm -f "$refused"' EXIT
 while true; do
+  rm -f "$refused"
   set +e
   # shellcheck disable=SC2086  # RELAYRL_SUBMIT_ARGS is a list of options
   "$RAY" job submit --address "$ADDRESS" --working-dir . --runtime-env-json "$RUNTIME_ENV" \
-    ${RELAYRL_SUBMIT_ARGS:-} -- relayrl train "$@" 2>&1 | tee "$output"
+    ${RELAYRL_SUBMIT_ARGS:-} -- relayrl train "$@" 2>&1 |
+    awk -v mark="$NO_AGENT" -v refused="$refused" '{ print; fflush() } index($0, mark) { printf "" > refused }'
   status=${PIPESTATUS[0]}
   set -e
-  if [ "$status" -eq 0 ] || ! grep -q "$NO_AGENT" "$output"; then
+  if [ "$status" -eq 0 ] || [ ! -e "$refused" ]; then
     exit "$status"
   fi
   if [ "$SECONDS" -ge "$deadline" ]; then
