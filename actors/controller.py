@@ -376,8 +376,9 @@ class ControllerActor(RolloutController):
         if not self.fatal_error:
             role = err.role
             log.error("%s worker failed on group %s: %s", role, group_id, err)
+            # the config check names whatever else needs the role once it is off (e.g. the teacher's weight)
             off = ("set reference.num_workers=0 to score the reference inside the learner" if role == "reference"
-                   else f"set {role}.num_workers=0 and algorithm.distillation.weight=0 to train without it")
+                   else f"set {role}.num_workers=0 to train without it")
             self.fatal_error = (
                 f"{err} (group {group_id}). A {role} worker that raises is not retried, so the run stops. If it ran "
                 f"out of memory, lower {role}.max_tokens_per_micro_batch (0 scores in the learner's micro-batches: "

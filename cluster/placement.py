@@ -14,10 +14,11 @@ import re
 from dataclasses import dataclass, field
 
 from protocols.config import RunConfig
+from protocols.trajectory import TOKEN_SCORERS
 
-ROLES = ("rollout", "learner", "reward", "critic", "reference", "teacher")
-"""Every actor group with a placement of its own; `critic`, `reference` and `teacher` only when their
-num_workers > 0."""
+ROLES = ("rollout", "learner", "reward", "critic", *TOKEN_SCORERS)
+"""Every actor group with a placement of its own; `critic` and the frozen token scorers (reference, teacher) only
+when their num_workers > 0."""
 STRATEGY = "PACK"
 """Every role's group packs its bundles on as few nodes as possible (Ray's PACK, best effort): learner ranks on
 one node talk over NVLink rather than the network. Each engine is one bundle, so its GPUs share a node."""
@@ -115,7 +116,8 @@ def plan_placement(cfg: RunConfig, roles: tuple[str, ...] = ROLES) -> PlacementP
                              "critic.resources", cfg.critic.resources, gpus=1.0 if on_gpus else 0.0,
                              gpu_count=f"critic.num_workers={cfg.critic.num_workers}", gpu_shape="one critic rank"),
     }
-    for name, frozen in (("reference", cfg.reference), ("teacher", cfg.teacher)):
+    for name in TOKEN_SCORERS:
+        frozen = getattr(cfg, name)
         if frozen.num_workers:  # one bundle per worker, each a whole copy of its model (plain data parallel)
             plans[name] = _role_plan(name, f"{name}.num_workers", frozen.num_workers, f"{name}.cpus", frozen.cpus,
                                      f"{name}.resources", frozen.resources, gpus=frozen.gpus if on_gpus else 0.0,
@@ -129,11 +131,11 @@ def plan_placement(cfg: RunConfig, roles: tuple[str, ...] = ROLES) -> PlacementP
 
 # --- checking a plan against nodes ----------------------------------------------------------------------------
 _EPS = 1e-9
+_FROZEN = " / ".join(TOKEN_SCORERS)
 _FIX = {"GPU": "lower rollout.num_workers, rollout.tensor_parallel_size, learner.num_ranks, critic.num_workers or "
-               "reference.num_workers / teacher.num_workers (or their gpus), or add GPU nodes",
+               f"the num_workers of {_FROZEN} (or their gpus), or add GPU nodes",
         "CPU": "lower the worker counts or cluster.learner_cpus / rollout_cpus / reward_cpus / critic.cpus / "
-               "reference.cpus / teacher.cpus, or add nodes "
-               "(locally: raise cluster.num_cpus)"}
+               f"the cpus of {_FROZEN}, or add nodes (locally: raise cluster.num_cpus)"}
 
 
 def _unit(name: str, amount: float) -> str:

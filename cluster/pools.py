@@ -2,8 +2,10 @@
 supervisor checks them, and the rollout workers are given the live lists of every role that scores groups.
 
 A new role is a pool class (a `ScoringPool` subclass when its workers score groups on their way to the queue, as
-the reward and reference workers below) added to ROLES, plus its config section and its placement bundles
-(cluster/placement.py). A role whose config asks for no workers has an empty pool.
+the reward and reference workers below) added to ROLES, plus its config section. A frozen model that scores every
+response token (a `TokenScoringPool`, as the reference and the teacher) is also named in
+protocols.trajectory.TOKEN_SCORERS with its per-token field, from which its placement, its resources, its metrics
+and its place on the scoring path follow. A role whose config asks for no workers has an empty pool.
 """
 
 import json
@@ -14,11 +16,11 @@ from actors.reward_worker import RewardWorker
 from actors.teacher_worker import TeacherWorker
 from cluster.critic_pool import CriticPool
 from cluster.model_folder import check_same_vocabulary
-from cluster.ray_setup import reference_options, reward_options, teacher_options
+from cluster.ray_setup import reward_options, token_scorer_options
 from cluster.rollout_pool import RolloutPool
 from cluster.worker_pool import PoolContext, ScoringPool, WorkerPool
 from protocols.config import RunConfig
-from protocols.metrics import reference_worker_metrics, reward_worker_metrics, teacher_worker_metrics
+from protocols.metrics import reference_worker_metrics, reward_worker_metrics
 
 
 class RewardPool(ScoringPool):
@@ -52,6 +54,16 @@ class TokenScoringPool(ScoringPool):
     def launch_size(cls, cfg: RunConfig) -> int:
         return getattr(cfg, cls.name).num_workers
 
+    @classmethod
+    def counter_metrics(cls, counters) -> dict[str, float]:
+        """`<name>_worker/*`: every frozen scorer keeps the reference worker's counters."""
+        return reference_worker_metrics(counters, prefix=f"{cls.name}_worker")
+
+    @classmethod
+    def placement_options(cls, cfg: RunConfig, placement, index: int) -> dict:
+        """Its bundles of the run's placement, or `<name>.cpus`, `.gpus` and `.resources` past them."""
+        return token_scorer_options(cfg, cls.name, placement, index)
+
     def announce(self):
         return self.ctx.controller.set_model_workers.remote(self.name, list(self.workers))
 
@@ -63,8 +75,6 @@ class ReferencePool(TokenScoringPool):
 
     name = "reference"
     actor = ReferenceWorker
-    counter_metrics = staticmethod(reference_worker_metrics)
-    placement_options = staticmethod(reference_options)
 
     def actor_args(self, index: int) -> tuple:
         return self.cfg, index, self.ctx.model_path
@@ -76,8 +86,6 @@ class TeacherPool(TokenScoringPool):
 
     name = "teacher"
     actor = TeacherWorker
-    counter_metrics = staticmethod(teacher_worker_metrics)
-    placement_options = staticmethod(teacher_options)
 
     @classmethod
     def precheck(cls, cfg: RunConfig, model_path: str) -> None:

@@ -11,6 +11,7 @@ import ray
 
 from cluster.placement import Placement
 from protocols.config import RunConfig
+from protocols.trajectory import TOKEN_SCORERS
 
 
 # vLLM logs every in-place weight reload at INFO/WARNING, and transformers draws a progress bar per load: at one
@@ -49,14 +50,16 @@ def start_ray(cfg: RunConfig) -> None:
 
 def _legacy_options(cfg: RunConfig, role: str) -> dict:
     """Resources of one actor of `role` outside any placement group (tests that start single actors)."""
-    c, ref, teacher = cfg.cluster, cfg.reference, cfg.teacher
-    cpus = {"rollout": c.rollout_cpus, "learner": c.learner_cpus, "reward": c.reward_cpus, "reference": ref.cpus,
-            "teacher": teacher.cpus}[role]
-    gpus = {"rollout": cfg.rollout.tensor_parallel_size, "learner": 1, "reward": 0,
-            "reference": ref.gpus, "teacher": teacher.gpus}[role] if c.use_gpus else 0
-    resources = {"rollout": c.rollout_resources, "learner": c.learner_resources, "reward": c.reward_resources,
-                 "reference": ref.resources, "teacher": teacher.resources}[role]
-    return {"num_cpus": cpus, "num_gpus": gpus, **({"resources": dict(resources)} if resources else {})}
+    c = cfg.cluster
+    if role in TOKEN_SCORERS:  # a frozen model's section: <role>.cpus, .gpus, .resources
+        frozen = getattr(cfg, role)
+        cpus, gpus, resources = frozen.cpus, frozen.gpus, frozen.resources
+    else:
+        cpus = {"rollout": c.rollout_cpus, "learner": c.learner_cpus, "reward": c.reward_cpus}[role]
+        gpus = {"rollout": cfg.rollout.tensor_parallel_size, "learner": 1, "reward": 0}[role]
+        resources = {"rollout": c.rollout_resources, "learner": c.learner_resources, "reward": c.reward_resources}[role]
+    return {"num_cpus": cpus, "num_gpus": gpus if c.use_gpus else 0,
+            **({"resources": dict(resources)} if resources else {})}
 
 
 def rollout_options(cfg: RunConfig, placement: Placement | None = None, index: int = 0) -> dict:
@@ -74,11 +77,7 @@ def reward_options(cfg: RunConfig, placement: Placement | None = None, index: in
     return placement.options("reward", index) if placement else _legacy_options(cfg, "reward")
 
 
-def reference_options(cfg: RunConfig, placement: Placement | None = None, index: int = 0) -> dict:
-    """Ray options for reference worker `index`: its bundle of the run's placement."""
-    return placement.options("reference", index) if placement else _legacy_options(cfg, "reference")
-
-
-def teacher_options(cfg: RunConfig, placement: Placement | None = None, index: int = 0) -> dict:
-    """Ray options for teacher worker `index`: its bundle of the run's placement."""
-    return placement.options("teacher", index) if placement else _legacy_options(cfg, "teacher")
+def token_scorer_options(cfg: RunConfig, role: str, placement: Placement | None = None, index: int = 0) -> dict:
+    """Ray options for worker `index` of a frozen token-scoring role (protocols.trajectory.TOKEN_SCORERS:
+    reference, teacher): its bundle of the run's placement."""
+    return placement.options(role, index) if placement else _legacy_options(cfg, role)

@@ -18,6 +18,7 @@ from cluster.placement import PlacementError, check_pool_sizes, nodes_from_ray, 
 from cluster.scale_requests import ScaleInbox, check_size
 from cluster.worker_pool import WorkerLost
 from protocols.config import RunConfig
+from protocols.trajectory import TOKEN_SCORERS
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class Scaling:
         the new size instead (`request_resources` replaces the run's previous request, so a shrink lets it remove
         nodes too); the new workers then start when the nodes arrive."""
         sizes = {"rollout": rollout_workers, **{name: len(self.pools[name].workers)
-                                                for name in ("reward", "reference") if name in self.pools}}
+                                                for name in ("reward", *TOKEN_SCORERS) if name in self.pools}}
         if self.cfg.cluster.autoscaling:
             from ray.autoscaler.sdk import request_resources
 

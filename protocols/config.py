@@ -20,6 +20,7 @@ from protocols.model_workers import RAY_BUILTIN_RESOURCES, CriticConfig, Referen
 from protocols.reward import RewardConfig
 from protocols.rollout_config import RolloutConfig
 from protocols.tools import ToolsConfig
+from protocols.trajectory import TOKEN_SCORERS
 from protocols.weight_sync import CollectiveSync, ObjectStoreSync, SyncCheck, WeightSyncConfig
 
 __all__ = ["RAY_BUILTIN_RESOURCES", "ClusterConfig", "CriticConfig", "LearnerConfig", "ReferenceConfig", "RolloutConfig",
@@ -314,13 +315,12 @@ class RunConfig(BaseModel):
     def _check_gateway(self) -> "RunConfig":
         """Session groups skip the scoring workers (the client gave the reward): refuse the roles that would never
         see them before any actor starts, not in each rollout worker."""
-        scoring = {"reference": self.reference.num_workers, "teacher": self.teacher.num_workers,
-                   "critic": self.critic.num_workers}
+        scoring = {role: getattr(self, role).num_workers for role in (*TOKEN_SCORERS, "critic")}
         if self.gateway.enabled and any(scoring.values()):
             given = ", ".join(f"{role}.num_workers={n}" for role, n in scoring.items() if n)
             raise ValueError(
                 f"gateway.enabled=true with {given}: the endpoint's session groups go to the queue without passing "
-                "the scoring workers, so no reference, teacher or critic worker would score them. Set them to 0 (the "
+                f"the scoring workers, so no {', '.join(scoring)} worker would score them. Set them to 0 (the "
                 "learner then scores the reference itself), or gateway.enabled=false")
         if self.gateway.agent and not self.gateway.enabled:
             raise ValueError(

@@ -2,13 +2,16 @@
 
 Learner ranks, rollout workers, reward workers and the controller each report plain `{name: number}` dicts;
 the driver merges them here and cluster/run_folder.py writes the result to metrics.jsonl and TensorBoard.
-Pure Python, so every process (actors, verifier pools, the simulator) can import it.
+Plain Python over the records of protocols/, so every process (actors, verifier pools, the simulator) can import
+it.
 """
 
 import json
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
+
+from protocols.trajectory import TOKEN_SCORERS
 
 MAX_SUFFIX = "_max"
 """Names ending in this merge by maximum (peak memory, the largest ratio, the slowest rank); all others add."""
@@ -20,11 +23,9 @@ SECTIONS: dict[str, str] = {
     "reward_worker/": "the reward workers' own counters since the last logged step, over every group they scored "
                       "(dropped ones included): samples, error_<kind> (exception, timeout, crash, ...), "
                       "process_restarts, seconds_per_sample, reward_mean, correct_rate",
-    "reference_worker/": "the reference workers' own counters since the last logged step: groups, samples, "
-                         "micro_batches (forwards), seconds_per_group, tokens_per_s (prompt + response tokens per "
-                         "second of scoring)",
-    "teacher_worker/": "the teacher workers' own counters since the last logged step, as reference_worker/: "
-                       "groups, samples, micro_batches, seconds_per_group, tokens_per_s",
+    **{f"{role}_worker/": f"the {role} workers' own counters since the last logged step: groups, samples, "
+                          "micro_batches (forwards), seconds_per_group, tokens_per_s (prompt + response tokens per "
+                          "second of scoring)" for role in TOKEN_SCORERS},
     "teacher/": "on-policy distillation (teacher workers), over the trained batch's loss tokens: reverse_kl_mean "
                 "(log mu - log pi_teacher per sampled token), reverse_kl_p50/p90/p99, reverse_kl_q1..q4 (its mean "
                 "in each quarter of a response's sampled tokens) and advantage_share (the teacher's share of the "
@@ -144,8 +145,8 @@ def reward_worker_metrics(counters: Iterable[Mapping[str, float]]) -> dict[str, 
 def reference_worker_metrics(counters: Iterable[Mapping[str, float]], prefix: str = "reference_worker") \
         -> dict[str, float]:
     """`reference_worker/*` from the raw counters of one or more reference workers (ReferenceWorker.counters():
-    groups, samples, tokens, micro_batches, seconds), merged first so rates are weighted by work. A teacher's
-    workers count the same things, under `teacher_worker/`."""
+    groups, samples, tokens, micro_batches, seconds), merged first so rates are weighted by work. Every frozen
+    token scorer's workers (protocols.trajectory.TOKEN_SCORERS) count the same things, under `<role>_worker/`."""
     c = Counter(combine_metrics(counters))
     return {
         f"{prefix}/groups": c["groups"],
@@ -155,11 +156,6 @@ def reference_worker_metrics(counters: Iterable[Mapping[str, float]], prefix: st
         # tokens through the model (prompt + response) per second of scoring, summed over the workers' time
         f"{prefix}/tokens_per_s": c["tokens"] / c["seconds"] if c["seconds"] else 0.0,
     }
-
-
-def teacher_worker_metrics(counters: Iterable[Mapping[str, float]]) -> dict[str, float]:
-    """`teacher_worker/*`: reference_worker_metrics of the teacher workers' counters."""
-    return reference_worker_metrics(counters, prefix="teacher_worker")
 
 
 # ----- rollout workers and the batch --------------------------------------------------------------------------

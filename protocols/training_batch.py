@@ -15,8 +15,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-PER_TOKEN = ("response_ids", "loss_mask", "behavior_logprobs", "token_versions", "advantages", "ref_logprobs",
-             "teacher_logprobs", "values", "returns", "proximal_logprobs")
+from protocols.trajectory import TOKEN_SCORERS
+
+SCORED_PER_TOKEN = ("advantages", *TOKEN_SCORERS.values(), "values", "returns", "proximal_logprobs")
+"""The optional `(B, T)` float fields: the frozen token scorers' log-probs (protocols.trajectory.TOKEN_SCORERS),
+the critic's values, and what the driver and the learner add."""
+PER_TOKEN = ("response_ids", "loss_mask", "behavior_logprobs", "token_versions", *SCORED_PER_TOKEN)
 """The `(B, T)` fields; `select` trims them to the selected samples' longest response."""
 
 PER_POSITION_K = ("teacher_topk_ids", "teacher_topk_logprobs")
@@ -99,16 +103,16 @@ class TrainingBatch:
                      **per_token: list[list[float]] | None) -> "TrainingBatch":
         """A batch from ragged per-sample lists, padded once. `model_token_mask`: True on tokens the engine
         sampled (default: every response token); `loss_mask` is that AND `sample_mask`. `per_token`: optional
-        (advantages, ref_logprobs, teacher_logprobs, values, returns, proximal_logprobs), one list per sample,
-        one value a token. `teacher_topk_ids` / `teacher_topk_logprobs`: (T, k) per sample, both or neither."""
+        SCORED_PER_TOKEN fields (advantages, ref_logprobs, teacher_logprobs, values, returns, proximal_logprobs),
+        one list per sample, one value a token. `teacher_topk_ids` / `teacher_topk_logprobs`: (T, k) per sample,
+        both or neither."""
         n = len(response_ids)
         lengths = torch.tensor([len(r) for r in response_ids], dtype=torch.long)
         width = max(1, int(lengths.max())) if n else 1
         model_tokens = (_pad([[bool(x) for x in m] for m in model_token_mask], width, torch.bool)
                         if model_token_mask is not None else torch.arange(width)[None, :] < lengths[:, None])
         keep = torch.tensor(sample_mask if sample_mask is not None else [True] * n, dtype=torch.bool)
-        unknown = set(per_token) - {"advantages", "ref_logprobs", "teacher_logprobs", "values", "returns",
-                                     "proximal_logprobs"}
+        unknown = set(per_token) - set(SCORED_PER_TOKEN)
         if unknown:
             raise TypeError(f"TrainingBatch.from_samples got unknown per-token fields {sorted(unknown)}")
         ragged = {"behavior_logprobs": behavior_logprobs, "model_token_mask": model_token_mask,
@@ -151,7 +155,7 @@ class TrainingBatch:
             [t.behavior_logprobs for t in trajectories], model_token_mask=[t.loss_mask for t in trajectories],
             token_versions=[t.token_versions for t in trajectories], rewards=[t.reward for t in trajectories],
             truncated=[t.truncated for t in trajectories],
-            ref_logprobs=every("ref_logprobs"), teacher_logprobs=every("teacher_logprobs"), values=every("values"),
+            **{name: every(name) for name in TOKEN_SCORERS.values()}, values=every("values"),
             teacher_topk_ids=every("teacher_topk_ids"), teacher_topk_logprobs=every("teacher_topk_logprobs"))
 
     # --- reading --------------------------------------------------------------------------------------------------

@@ -177,3 +177,44 @@ def test_the_critic_pool_checkpoints_its_group_and_refuses_a_checkpoint_without_
         pool.load_state(tmp_path, {"critic_version": None})
     with pytest.raises(ValueError, match="the critic group does not resize"):
         pool.resize(3)
+
+
+def test_a_token_scorer_named_once_is_placed_resourced_counted_and_carried_to_the_batch():
+    """What follows from naming a frozen token scorer in protocols.trajectory.TOKEN_SCORERS (reference, teacher):
+    its pool, its placement bundles, its resources outside the placement, its metrics section and counters, and
+    its per-token field from the trajectories to the training batch. A new role that is named there and has a
+    pool and a config section gets all of these without another file naming it."""
+    from cluster.placement import ROLES as PLACED, plan_placement
+    from cluster.ray_setup import _legacy_options
+    from protocols.metrics import SECTIONS
+    from protocols.training_batch import PER_TOKEN, TrainingBatch
+    from protocols.trajectory import TOKEN_SCORERS
+
+    pools = {role.name: role for role in ROLES}
+    for role, field in TOKEN_SCORERS.items():
+        settings = ["algorithm.preset=grpo", f"{role}.num_workers=2", f"{role}.cpus=3",
+                    f"{role}.resources={{judge_node: 1}}"]
+        if role == "teacher":
+            settings.append("teacher.path=/models/teacher")
+        cfg = load_config(None, settings)
+        pool = pools[role]
+        assert pool.token_scorer and pool.launch_size(cfg) == 2 and role in PLACED
+        assert plan_placement(cfg).role(role).bundles == [{"CPU": 3.0, "judge_node": 1.0}] * 2
+        assert _legacy_options(cfg, role) == {"num_cpus": 3.0, "num_gpus": 0, "resources": {"judge_node": 1.0}}
+        assert f"{role}_worker/" in SECTIONS
+        counted = pool.counter_metrics([
+            {"groups": 2, "samples": 8, "tokens": 300, "micro_batches": 2, "seconds": 1.5},
+            {"groups": 1, "samples": 4, "tokens": 100, "micro_batches": 1, "seconds": 0.5}])
+        # 3 groups in 2 s, 400 tokens in 2 s
+        assert counted == {f"{role}_worker/groups": 3, f"{role}_worker/samples": 12,
+                           f"{role}_worker/micro_batches": 3, f"{role}_worker/seconds_per_group": 2.0 / 3,
+                           f"{role}_worker/tokens_per_s": 200.0}
+        # the field: stamped per token on each trajectory, padded into the batch, trimmed by select like the others
+        group = make_group("g", [1.0, 0.0], version=0)
+        longer = group.trajectories[0].model_copy(update={"response_token_ids": [5, 6, 7],
+                                                          "behavior_logprobs": [-0.5] * 3, "token_versions": [0] * 3})
+        group = group.model_copy(update={"trajectories": [longer, group.trajectories[1]]})
+        rows = [[-0.5, -1.5, -2.5], [-3.5, -4.5]]
+        batch = TrainingBatch.from_trajectories(group.with_token_scores(role, rows).trajectories)
+        assert field in PER_TOKEN and getattr(batch, field).tolist() == [[-0.5, -1.5, -2.5], [-3.5, -4.5, 0.0]]
+        assert getattr(batch.select([1]), field).tolist() == [[-3.5, -4.5]]  # trimmed to the shorter response
