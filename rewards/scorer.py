@@ -287,11 +287,12 @@ def _on_alarm(signum, frame):
     raise _SoftTimeout()
 
 
-def _run_unit(unit: _Unit, cfg: RewardConfig, specs: dict) -> list[tuple]:
+def _run_unit(unit: _Unit, cfg: RewardConfig, specs: dict | None = None) -> list[tuple]:
     """Score one unit. `specs`: the process's verifiers by name, each resolved (imported) on its first unit."""
     from rewards.registry import resolve_verifier
     from rewards.shaping import as_result, compose
 
+    specs = {} if specs is None else specs
     spec = specs.get(unit.verifier) or specs.setdefault(unit.verifier, resolve_verifier(unit.verifier))
     start = time.perf_counter()
     try:
