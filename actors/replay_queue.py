@@ -26,8 +26,9 @@ class ReplayQueue:
     def __init__(self, max_staleness: int, drop_zero_variance: bool) -> None:
         self.max_staleness = max_staleness
         self.drop_zero_variance = drop_zero_variance
-        # (oldest token version, group): the version is computed once at put, not at every poll of `take`.
-        self._groups: deque[tuple[int, TrajectoryGroup]] = deque()
+        # (oldest token version, critic version or None, group): both computed once at put, not at every poll of
+        # `take`.
+        self._groups: deque[tuple[int, int | None, TrajectoryGroup]] = deque()
         self.received = 0
         self.trained = 0
         self.dropped: Counter[str] = Counter()
@@ -43,12 +44,13 @@ class ReplayQueue:
     def put(self, group: TrajectoryGroup) -> bool:
         """Add a scored group. Returns False when it was dropped (and counted) instead of queued."""
         self.received += 1
-        self._generated.extend((len(t.response_token_ids), t.finish_reason == "length") for t in group.trajectories)
+        # truncated as the trained batch counts it (response/truncated_frac): out of tokens or of turns
+        self._generated.extend((len(t.response_token_ids), t.truncated) for t in group.trajectories)
         if self.drop_zero_variance and not group_has_signal(group.rewards):
             self.dropped["zero_variance"] += 1
             self.zero_variance_rewarded += group.rewards[0] > 0
             return False
-        self._groups.append((group.min_version, group))
+        self._groups.append((group.min_version, group.critic_version, group))
         return True
 
     def drop_stale(self, learner_version: int) -> int:
@@ -57,20 +59,19 @@ class ReplayQueue:
         counts the same steps)."""
         oldest_allowed = learner_version - self.max_staleness
 
-        def critic_ok(group: TrajectoryGroup) -> bool:
-            version = group.critic_version
-            return version is None or version >= oldest_allowed
+        def critic_ok(critic_version: int | None) -> bool:
+            return critic_version is None or critic_version >= oldest_allowed
 
-        if all(version >= oldest_allowed and critic_ok(g) for version, g in self._groups):
+        if all(version >= oldest_allowed and critic_ok(critic) for version, critic, _ in self._groups):
             return 0
         kept = deque()
-        for version, group in self._groups:
+        for version, critic, group in self._groups:
             if version < oldest_allowed:
                 self.dropped["stale"] += 1
-            elif not critic_ok(group):
+            elif not critic_ok(critic):
                 self.dropped["stale_critic"] += 1
             else:
-                kept.append((version, group))
+                kept.append((version, critic, group))
         dropped = len(self._groups) - len(kept)
         self._groups = kept
         return dropped
@@ -80,7 +81,7 @@ class ReplayQueue:
         self.drop_stale(learner_version)
         if len(self._groups) < num_groups:
             return None
-        batch = [self._groups.popleft()[1] for _ in range(num_groups)]
+        batch = [self._groups.popleft()[2] for _ in range(num_groups)]
         self.trained += num_groups
         return batch
 
@@ -98,7 +99,7 @@ class ReplayQueue:
 
     def state_dict(self) -> dict:
         return {
-            "groups": [g.model_dump(mode="json") for _, g in self._groups],
+            "groups": [g.model_dump(mode="json") for _, _, g in self._groups],
             "received": self.received,
             "trained": self.trained,
             "dropped": dict(self.dropped),
@@ -107,7 +108,7 @@ class ReplayQueue:
 
     def load_state_dict(self, state: dict) -> None:
         groups = (TrajectoryGroup.model_validate(g) for g in state["groups"])
-        self._groups = deque((g.min_version, g) for g in groups)
+        self._groups = deque((g.min_version, g.critic_version, g) for g in groups)
         self.received = state["received"]
         self.trained = state["trained"]
         self.dropped = Counter(state["dropped"])

@@ -147,13 +147,20 @@ class Trainer:
         cfg = self.cfg
         trajectories = [t for g in groups for t in g.trajectories]
         self.trained_group_ids.extend(g.group_id for g in groups)
-        if any(t.min_version < self.version - cfg.train.max_staleness for t in trajectories):
-            raise RuntimeError("the queue returned a sample older than train.max_staleness allows")
+        # the advantages take a group as samples_per_prompt rows in order (learner/advantages.py)
+        sizes = {g.group_id: len(g.trajectories) for g in groups
+                 if len(g.trajectories) != cfg.rollout.samples_per_prompt}
+        if sizes:
+            raise RuntimeError(f"the queue returned groups of {sizes} samples, not rollout.samples_per_prompt="
+                               f"{cfg.rollout.samples_per_prompt}: their advantages would mix groups")
         batch = TrainingBatch.from_trajectories(trajectories)
+        staleness = staleness_metrics(batch, self.version)  # before the shaping narrows the loss mask
+        if staleness["staleness/max"] > cfg.train.max_staleness:
+            raise RuntimeError(f"the queue returned a sample {staleness['staleness/max']:.0f} versions old, more than "
+                               f"train.max_staleness={cfg.train.max_staleness} allows")
         check_streamed_scores(batch, cfg, [t.group_id for t in trajectories])
         if learner_scores_ref(cfg):  # scored once per step: the KL in the reward and every update read these
             batch = batch.with_fields(ref_logprobs=self.learner.ref_logprobs(batch))
-        staleness = staleness_metrics(batch, self.version)  # before the shaping narrows the loss mask
         prepared = prepare_batch(batch, cfg)
         batch, rewards, normalizer = prepared.batch, prepared.shaped_rewards, prepared.normalizer
         t0 = time.perf_counter()

@@ -69,7 +69,7 @@ def needs_values(cfg: AlgorithmConfig) -> bool:
 
 def apply_reward_shaping(rewards: Tensor, response_lengths: Tensor, truncated: Tensor, cfg: AlgorithmConfig,
                          max_response_tokens: int) -> tuple[Tensor, Tensor]:
-    """rewards (N,), response_lengths (N,) int, truncated (N,) bool (finish_reason == "length").
+    """rewards (N,), response_lengths (N,) int, truncated (N,) bool (out of tokens or turns).
     Returns (shaped rewards (N,) float32, sample_mask (N,) bool: False for samples to drop from the loss, i.e.
     truncated ones when cfg.mask_truncated). AND sample_mask into loss_mask before compute_advantages."""
     shaped = rewards.to(torch.float32).clone()

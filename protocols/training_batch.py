@@ -54,7 +54,8 @@ class TrainingBatch:
     rewards: Tensor
     """(B,) float32: the verifier's reward (before the algorithm's shaping)."""
     truncated: Tensor
-    """(B,) bool: the response hit rollout.max_response_tokens (finish reason `length`)."""
+    """(B,) bool: the sample ran out of rollout.max_response_tokens (finish reason `length`) or of tools.max_turns
+    (`max_turns`): Trajectory.truncated."""
     advantages: Tensor | None = None
     """(B, T) float32, set by the driver (learner/objective.py compute_advantages)."""
     ref_logprobs: Tensor | None = None

@@ -287,11 +287,13 @@ def _on_alarm(signum, frame):
     raise _SoftTimeout()
 
 
-def _run_unit(unit: _Unit, cfg: RewardConfig) -> list[tuple]:
+def _run_unit(unit: _Unit, cfg: RewardConfig, specs: dict | None = None) -> list[tuple]:
+    """Score one unit. `specs`: the process's verifiers by name, each resolved (imported) on its first unit."""
     from rewards.registry import resolve_verifier
     from rewards.shaping import as_result, compose
 
-    spec = resolve_verifier(unit.verifier)
+    specs = {} if specs is None else specs
+    spec = specs.get(unit.verifier) or specs.setdefault(unit.verifier, resolve_verifier(unit.verifier))
     start = time.perf_counter()
     try:
         signal.setitimer(signal.ITIMER_REAL, cfg.timeout_s * len(unit.items))
@@ -355,6 +357,7 @@ def _child_main(read_fd: int, write_fd: int) -> None:
         return
     signal.signal(signal.SIGALRM, _on_alarm)
     outbox.send(("ready",))
+    specs: dict = {}
     while True:
         try:
             chunk = inbox.recv()
@@ -363,7 +366,7 @@ def _child_main(read_fd: int, write_fd: int) -> None:
         if chunk is None:
             return
         for unit in chunk:
-            outbox.send(("unit", _run_unit(unit, cfg)))
+            outbox.send(("unit", _run_unit(unit, cfg, specs)))
 
 
 if __name__ == "__main__":

@@ -69,3 +69,18 @@ def test_staleness_reads_each_samples_oldest_sampled_token():
     out = staleness_metrics(batch, 5)
     assert out == {"staleness/mean": 1.0, "staleness/max": 2.0, "staleness/hist_0": 0.5, "staleness/hist_2": 0.5,
                    "staleness/mixed_version_frac": 0.5}
+
+
+def test_the_driver_refuses_a_batch_too_stale_or_with_a_group_of_another_size_before_the_learner_sees_it():
+    from cluster.trainer import Trainer
+    from tests.test_replay_queue import make_group
+
+    trainer = Trainer.__new__(Trainer)  # the step's checks alone: no actor, no learner
+    trainer.cfg = load_config(None, ["rollout.samples_per_prompt=2", "train.max_staleness=1"])
+    trainer.version, trainer.trained_group_ids = 3, []
+    # version 1 is 2 behind the learner's 3, one more than max_staleness=1
+    with pytest.raises(RuntimeError, match="2 versions old, more than train.max_staleness=1"):
+        trainer.step([make_group("fresh", [1.0, 0.0], 3), make_group("old", [1.0, 0.0], 1)])
+    # a group of 3 beside one of 2 would put a sample of one group in the other's baseline
+    with pytest.raises(RuntimeError, match=r"groups of \{'g3': 3\} samples, not rollout.samples_per_prompt=2"):
+        trainer.step([make_group("g3", [1.0, 0.0, 1.0], 3), make_group("g2", [1.0, 0.0], 3)])

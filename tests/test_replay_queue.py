@@ -62,6 +62,18 @@ def test_generated_lengths_count_dropped_groups_and_reset_after_each_read():
     assert len(q) == 1 and q.dropped["zero_variance"] == 1
 
 
+def test_a_sample_out_of_turns_counts_as_truncated_as_in_the_trained_batch():
+    from protocols.training_batch import TrainingBatch
+
+    q = ReplayQueue(max_staleness=0, drop_zero_variance=False)
+    group = make_group("tools", [1, 0], 0)
+    group.trajectories[0].finish_reason = "max_turns"  # the agent loop ran out of tools.max_turns
+    q.put(group)
+    # 1 of 2 truncated, in the generated/ window and in the batch the learner trains on (response/truncated_frac)
+    assert q.generated_metrics()["generated/truncated_frac"] == 0.5
+    assert TrainingBatch.from_trajectories(group.trajectories).truncated.tolist() == [True, False]
+
+
 def test_take_waits_for_a_full_batch_and_keeps_groups_whole():
     q = ReplayQueue(max_staleness=0, drop_zero_variance=False)
     q.put(make_group("a", [1, 0], 0))

@@ -208,7 +208,7 @@ class ObjectStoreReceiver(WeightReceiver):
         if isinstance(refs[0], tuple):
             return self._stage_chain(refs)
         packed = ray.get(refs[0])
-        self.read_bytes += packed_num_bytes(packed)
+        self.read_bytes += announcement.num_bytes  # the sender counted the packed bytes it put
         return version, unpack_state_dict(packed)
 
     def _stage_chain(self, chain: list[tuple]) -> tuple[int, list[tuple[str, torch.Tensor]]]:
