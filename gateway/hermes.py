@@ -85,6 +85,10 @@ def _read_call(body: str) -> tuple[str, str] | str:
     if not isinstance(call["name"], str):
         return f"the name is {type(call['name']).__name__}, not a string"
     try:
-        return call["name"], json.dumps(call["arguments"], ensure_ascii=False)
+        arguments = json.dumps(call["arguments"], ensure_ascii=False)  # NaN and Infinity as vLLM's parser writes them
+        (call["name"] + arguments).encode("utf-8")
+    except UnicodeEncodeError:  # an escape such as \ud800 decodes to a lone surrogate, which no response can carry
+        return "the name or arguments hold a lone surrogate (an escape in \\ud800-\\udfff), which is not text"
     except ValueError as err:  # an integer past the int-to-text limit
         return f"arguments cannot be written back as JSON ({err})"
+    return call["name"], arguments

@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from gateway.engine_bridge import CallAborted, CallInbox, CallResult
 from gateway.episode import ChatCall
 from gateway.hermes import CALL_START, parse_hermes
-from gateway.sessions import Session, SessionBook, SessionError
+from gateway.sessions import Session, SessionBook, SessionError, finite
 
 ROLES = ("system", "user", "assistant", "tool")
 SWEEP_S = 0.5
@@ -68,6 +68,8 @@ async def _json_body(request: Request) -> dict:
         body = json.loads(await request.body() or b"{}")
     except ValueError as err:
         raise SessionError(400, f"the body is not JSON ({err})") from err
+    except RecursionError as err:  # the decoder recurses once per level of nesting
+        raise SessionError(400, "the body is not JSON a client sends: it nests deeper than the decoder reads") from err
     if not isinstance(body, dict):
         raise SessionError(400, "the body must be a JSON object")
     return body
@@ -88,8 +90,9 @@ def build_app(book: SessionBook, inbox: CallInbox, settings: ServeSettings, base
     async def create_session(request: Request):
         body = await _json_body(request)
         timeout = body.get("timeout_s")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-            raise SessionError(400, f"timeout_s={timeout!r}: a positive number of seconds")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
+                                    or not finite(timeout)):
+            raise SessionError(400, f"timeout_s={str(timeout)[:40]}: a positive number of seconds")
         session = book.create(body.get("group"), body.get("group_size"), timeout)
         return {"session_id": session.session_id, "api_key": session.api_key,
                 "base_url": f"{base_url[0]}/sessions/{session.session_id}/v1",
@@ -297,6 +300,8 @@ def _chat_call(body: dict) -> tuple[ChatCall, bool]:
     args = body.get("chat_template_kwargs") or {}
     if not isinstance(args, dict):
         raise SessionError(400, "chat_template_kwargs must be an object")
+    if not isinstance(body.get("stream_options") or {}, dict):  # read once the call ran, so refused before it
+        raise SessionError(400, 'stream_options must be an object (e.g. {"include_usage": true})')
     tools_on = tools is not None and body.get("tool_choice", "auto") != "none"
     return ChatCall(messages, tools, args), tools_on
 

@@ -47,6 +47,15 @@ the orphans dropped; calls cut from samples as too stale; groups opened, handed 
 number of samples, for having no rewarded session, or for not filling in time; new segments by reason."""
 
 
+def finite(number: int | float) -> bool:
+    """Whether a float holds `number` as a finite value: not inf or NaN, and not an integer past a float's range
+    (a client may send 1e400 or a 400-digit integer; the latter makes math.isfinite raise OverflowError)."""
+    try:
+        return math.isfinite(number)
+    except OverflowError:
+        return False
+
+
 class SessionError(Exception):
     """A request the session cannot take: `status` is the HTTP status to answer with."""
 
@@ -206,8 +215,8 @@ class SessionBook:
         if isinstance(value, dict):
             info = {k: v for k, v in value.items() if k != "reward"}
             value = value.get("reward")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise SessionError(400, f"reward {value!r}: send a finite number, or a dict with a number under "
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not finite(value):
+            raise SessionError(400, f"reward {str(value)[:40]}: send a finite number, or a dict with a number under "
                                '"reward" (e.g. {"reward": 1.0, "correct": true})')
         session.reward, session.info = float(value), info
         self.finish(session)

@@ -21,6 +21,7 @@ from protocols.data import DataConfig
 from protocols.tools import ToolsConfig
 from protocols.trajectory import Prompt
 from rewards.datasets import encode_prompt
+from rewards.tool_calls import MAX_JSON_DEPTH, json_depth
 from rewards.tools import ToolResult, call_in_thread, load_target
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,9 @@ class Episode:
         method = getattr(self.instance, name)
         parameters = list(inspect.signature(method).parameters)
         try:
+            depth = json_depth(arguments)
+            if depth > MAX_JSON_DEPTH:  # refused as bad JSON before the decoder recurses that deep
+                raise ValueError(f"nested {depth} levels deep; at most {MAX_JSON_DEPTH}")
             kwargs = json.loads(arguments) if arguments.strip() else {}
         except ValueError as err:
             if len(parameters) != 1 or arguments.lstrip().startswith("{"):

@@ -29,6 +29,10 @@ from it (a power, a factorial, a sum's or a product's range), could have more di
 MAX_ANSWER_EXPONENT = 100
 """A parsed answer is refused (`answer_too_large`) when it raises a sum (`(x+1)^{1000}`) to a power over this:
 comparing it expands the power (14 s for 1000, 0.7 s for 100)."""
+MAX_EXPANDED_TERMS = 300
+"""A parsed answer is refused (`answer_too_large`) when expanding its products and powers of sums could give more
+terms than this (`(a+b+c)^{100}` has 5,151): comparing expands them, at about 5 ms a term (`(a+b+c)^{100}` took
+24 s, `(x+1)^{100}(y+1)^{100}` with 10,201 terms 52 s), so MAX_ANSWER_EXPONENT alone bounds one variable only."""
 MAX_EAGER_DIGITS = 4
 """math-verify computes `\\binom`, `\\choose`, `\\gcd`, `lcm` and `\\Gamma` while it reads an answer, before any
 bound above can look: an answer that uses one of them is refused (`answer_too_large`) unless it uses one only,
@@ -98,7 +102,8 @@ def compare(gold: str, candidate: str) -> tuple[bool, str]:
     candidate_parsed = _parse(candidate)
     if not _parsed(gold_parsed) or not _parsed(candidate_parsed):
         return normalize(gold) != "" and normalize(gold) == normalize(candidate), ""
-    if any(_digits_bound(item) > MAX_ANSWER_DIGITS for item in candidate_parsed if not isinstance(item, str)):
+    if any(_digits_bound(item) > MAX_ANSWER_DIGITS or _expanded_terms(item) > MAX_EXPANDED_TERMS
+           for item in candidate_parsed if not isinstance(item, str)):
         return False, "answer_too_large"
     return bool(verify(gold_parsed, candidate_parsed, timeout_seconds=None)), ""
 
@@ -163,6 +168,27 @@ def _digits_bound(expr: object) -> float:
         return _saturated(max(args) + math.log10(len(args)))
     # A product, and any other function or container (sqrt, sin, sets, tuples): at most a product of its parts.
     return _saturated(sum(args))
+
+
+def _expanded_terms(expr: object) -> float:
+    """An upper bound of the terms `expr` has once its products and integer powers of sums are expanded: a sum
+    adds its parts' counts, a product multiplies them, a sum of t terms to the power n has C(n + t - 1, t - 1).
+    math.inf past MAX_EXPANDED_TERMS. Recursion is as deep as the parsed answer, which MAX_ANSWER_CHARS bounds."""
+    if isinstance(expr, sympy.MatrixBase):
+        return _capped(sum(_expanded_terms(entry) for entry in expr))
+    if not isinstance(expr, (sympy.Add, sympy.Mul, sympy.Pow)) or not expr.free_symbols:
+        return 1.0  # a number, a symbol, or a function, whose arguments are not expanded into its terms
+    if isinstance(expr, sympy.Pow):
+        base, n = _expanded_terms(expr.base), expr.exp
+        if not (n.is_Integer and n > 1) or base == 1:
+            return base
+        return math.inf if base == math.inf or n > 10**6 else _capped(math.comb(int(n) + int(base) - 1, int(base) - 1))
+    counts = [_expanded_terms(arg) for arg in expr.args]
+    return _capped(sum(counts) if isinstance(expr, sympy.Add) else math.prod(counts))
+
+
+def _capped(terms: float) -> float:
+    return math.inf if terms > MAX_EXPANDED_TERMS else terms
 
 
 def _power_of_ten(log10_size: float) -> float:

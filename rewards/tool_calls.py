@@ -26,7 +26,10 @@ bound on what one call hands to a tool."""
 MAX_JSON_DEPTH = 64
 """A JSON call nested deeper than this (arrays and objects) is malformed, refused before `json.loads`: real
 arguments are a few levels deep, and a 1,000-deep body would raise RecursionError in the decoder."""
-_JSON_STRING = re.compile(r'"(?:[^"\\]++|\\.)*+"', re.DOTALL)
+_JSON_STRING = re.compile(r'"(?:[^"\\]++|\\.)*+(?:"|\\?\Z)', re.DOTALL)
+"""A JSON string, or an unterminated one to the end of the text (the decoder refuses it there, so its brackets
+never nest): every search that starts at a quote ends in a match, so the scan is linear even for text such as
+`\\"` repeated, where a search per quote to the end would be quadratic."""
 _NOT_A_BRACKET = re.compile(r"[^\[\]{}]+")
 
 

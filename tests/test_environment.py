@@ -106,6 +106,8 @@ def test_reset_gets_the_prompts_row_and_calls_are_keyword_arguments():
     # the tagged format's argument text goes whole to a one-parameter method
     assert episode.call("echo", "12*34").output == "12*34"
     assert episode.call("echo", "7").output == "7" and episode.call("echo", "[1, 2]").output == "[1, 2]"
+    # text nested too deep for JSON goes whole to a one-parameter tool, as any text that is not JSON
+    assert episode.call("echo", "[" * 2000).output == "[" * 2000
 
 
 @pytest.mark.parametrize("name, arguments, error, text", [
@@ -117,6 +119,10 @@ def test_reset_gets_the_prompts_row_and_calls_are_keyword_arguments():
     ("echo", "{}", "exception", "TypeError: echo: missing a required argument: 'text'"),
     ("fail", "{}", "exception", "RuntimeError: broken tool"),
     ("sleep", '{"seconds": 5}', "timeout", "TimeoutError: the tool ran past tools.timeout_s=0.2 s"),
+    # nested past MAX_JSON_DEPTH=64: refused before the decoder, which would raise RecursionError at this depth
+    ("fail", "[" * 2000, "exception", "ValueError: the arguments are not a JSON object (nested 2000 levels deep; "
+                                      "at most 64)"),
+    ("echo", '{"text":' * 5000, "exception", "ValueError: the arguments are not a JSON object (nested 5000"),
 ])
 def test_a_bad_call_is_an_error_text_never_a_raise(name, arguments, error, text):
     episode = Episode(Probe, PROMPT, TOOLS.model_copy(update={"timeout_s": 0.2}))

@@ -72,6 +72,14 @@ def test_nesting_past_the_depth_bound_is_refused_before_the_decoder():
     assert reply.tool_calls == [] and "66 levels" in reply.error  # the object's brace + 65 brackets
 
 
+def test_a_call_no_response_can_carry_is_refused_as_unread_text():
+    # an escape that decodes to a lone surrogate: no UTF-8 response body could hold the arguments
+    reply = parse_hermes('<tool_call>{"name": "f", "arguments": {"e": "\\ud800"}}</tool_call>')
+    # it stays the turn's content, as any call that is not read, and that content is text a response can carry
+    assert reply.tool_calls == [] and "lone surrogate" in reply.error
+    assert reply.content.encode("utf-8").startswith(b"<tool_call>")
+
+
 def test_a_stream_holds_back_what_may_start_a_tool_call_and_a_partial_character():
     from gateway.server import _streamable
 

@@ -128,6 +128,9 @@ def _reason(answer: str, gold: str = "3") -> tuple[bool, str | None]:
     "450!",                           # log10(450!) = 1000.2
     r"\sum_{i=1}^{10^{9}} i",         # a range of 10^9
     "(x+1)^{101}",                    # expanding a sum past MAX_ANSWER_EXPONENT = 100
+    "(a+b+c)^{100}",                  # C(102, 2) = 5,151 terms once expanded: past MAX_EXPANDED_TERMS = 300
+    "(a+b+c+d+e)^{20}",               # C(24, 4) = 10,626 terms
+    "(x+1)^{100}(y+1)^{100}",         # 101 x 101 = 10,201 terms
     r"\gcd(10^{10^{10}}, 7)",         # math-verify computes gcd while reading
     r"\binom{100000}{50000}",         # and binomials: a number over MAX_EAGER_DIGITS = 4 digits
     r"\Gamma(\Gamma(\Gamma(5)))",     # and Gamma: more than one of them
@@ -143,6 +146,7 @@ def test_huge_numbers_are_refused_before_they_are_computed(answer):
     ("449!", "449!"),                 # log10(449!) = 997.5
     ("(x+1)^{2}", "x^2+2x+1"),        # a small power of a sum is expanded and compared
     (r"\binom{5}{2}", "10"),          # one small binomial is read
+    ("(x+y)^{2}(x-y)", "x^3+x^2y-xy^2-y^3"),  # 3 x 2 = 6 terms at most, expanded and compared
 ])  # fmt: skip
 def test_numbers_within_the_bounds_are_compared(answer, gold):
     assert _reason(answer, gold) == (True, None)
@@ -177,3 +181,17 @@ def test_a_megabyte_response_is_read_for_its_last_boxed_answer():
 
 def test_a_refused_candidate_is_never_equivalent():
     assert is_equivalent("3", "(((((((3)))))))") is False
+
+
+def test_the_expanded_terms_bound_multiplies_products_and_counts_powers_of_sums_as_multinomials():
+    from rewards.math_answer import MAX_EXPANDED_TERMS, _expanded_terms, _parse
+
+    def terms(answer):
+        return _expanded_terms(_parse(answer)[0])
+
+    # (x+1)^100: C(101, 1) = 101; (a+b+c)^10: C(12, 2) = 66; (x+y)^3 (x-y): 4 x 2 = 8; sqrt(2) and 5 are one term
+    assert MAX_EXPANDED_TERMS == 300
+    assert [terms("(x+1)^{100}"), terms("(a+b+c)^{10}"), terms("(x+y)^{3}(x-y)"), terms(r"5\sqrt{2}")] == [
+        101, 66, 8, 1]
+    # (a+b+c)^{20}: C(22, 2) = 231, under the bound; (a+b+c)^{30}: C(32, 2) = 496, over it
+    assert terms("(a+b+c)^{20}") == 231 and terms("(a+b+c)^{30}") == float("inf")

@@ -199,6 +199,12 @@ def test_broken_and_hostile_clients_get_clear_statuses(endpoint):
     hi = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     assert httpx.post(chat, content=b"{not json", headers=auth).status_code == 400
     assert httpx.post(chat, json={"messages": "hi"}, headers=auth).status_code == 400
+    # JSON nested past the decoder's recursion, and stream_options that is not an object: refused before any call
+    assert httpx.post(chat, content=b"[" * 100_000, headers=auth).status_code == 400
+    r = httpx.post(chat, json={**hi, "stream": True, "stream_options": [1]}, headers=auth)
+    assert r.status_code == 400 and "stream_options" in r.json()["error"]["message"]
+    # numbers past a float's range: 400, not a server error
+    assert httpx.post(f"{url}/sessions", content=b'{"timeout_s": 1' + b"0" * 400 + b"}").status_code == 400
     assert httpx.post(chat, json=hi, headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert httpx.post(f"{url}/sessions/nope/v1/chat/completions", json=hi, headers=auth).status_code == 404
     assert httpx.post(chat, json={**hi, "max_tokens": 10**9}, headers=auth).status_code == 200  # clamped to 32

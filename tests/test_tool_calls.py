@@ -267,3 +267,15 @@ def test_tool_metric_names_are_in_a_documented_section():
     from protocols.metrics import unknown_names
 
     assert unknown_names(tool_metrics(tool_counts([_traj(0, "2", 5, None)]))) == []
+
+
+def test_an_unterminated_string_is_read_to_the_end_once():
+    from rewards.tool_calls import json_depth
+
+    # brackets before the string nest; inside it (terminated or not) they do not
+    assert json_depth('{"a": [1, "x]]"]}') == 2 and json_depth('{"a": [1, "x [[[') == 2
+    # 49,990 escaped quotes in one unterminated string: a search from every quote to the end would be quadratic
+    # (a minute for this text); read once, it is one string, and the decoder refuses the call as bad JSON
+    assert json_depth('\\"' * 49_990) == 0
+    call = parse_call("<tool_call>{" + '\\"' * 49_990 + "</tool_call>", ToolsConfig(builtin=["calculator"]))
+    assert isinstance(call, MalformedCall) and call.reason.startswith("bad JSON")
