@@ -320,8 +320,8 @@ class RunConfig(BaseModel):
             given = ", ".join(f"{role}.num_workers={n}" for role, n in scoring.items() if n)
             raise ValueError(
                 f"gateway.enabled=true with {given}: the endpoint's session groups go to the queue without passing "
-                f"the scoring workers, so no {', '.join(scoring)} worker would score them. Set them to 0 (the "
-                "learner then scores the reference itself), or gateway.enabled=false")
+                f"the scoring workers, so no {', '.join(list(scoring)[:-1])} or {list(scoring)[-1]} worker would "
+                "score them. Set them to 0 (the learner then scores the reference itself), or gateway.enabled=false")
         if self.gateway.agent and not self.gateway.enabled:
             raise ValueError(
                 f"gateway.agent={self.gateway.agent!r} with gateway.enabled=false: the agent plays its sessions on "
