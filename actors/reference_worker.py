@@ -34,6 +34,16 @@ class ReferenceWorker:
     """The config section and the name in errors; a teacher worker (actors/teacher_worker.py) is this class with
     its own model and budget."""
 
+    @classmethod
+    def model_folder(cls, cfg: RunConfig, policy_path: str) -> str:
+        """The folder this role's frozen model loads from: the reference is the policy as it starts."""
+        return policy_path
+
+    @classmethod
+    def precheck(cls, cfg: RunConfig, folder: str) -> None:
+        """Refuse settings this role cannot run, before any actor starts (the pool has already checked that
+        `folder` reads the policy's token ids as the same tokens)."""
+
     def __init__(self, cfg: RunConfig, worker_index: int, model_path: str) -> None:
         with frozen_after_imports():
             from transformers import AutoModelForCausalLM

@@ -10,7 +10,9 @@ likely ids and their log-probs at every position (Trajectory.teacher_topk_ids, t
 same forward. learner/distillation.py turns the numbers into advantages and the top-k loss.
 """
 
+import json
 import time
+from pathlib import Path
 
 from actors.reference_worker import ReferenceWorker
 from learner.batch_plan import MicroBatching, plan_one_shard
@@ -22,6 +24,19 @@ from protocols.trajectory import TokenScores, TrajectoryGroup
 
 class TeacherWorker(ReferenceWorker):
     role = "teacher"
+
+    @classmethod
+    def model_folder(cls, cfg: RunConfig, policy_path: str) -> str:
+        return cfg.teacher.path
+
+    @classmethod
+    def precheck(cls, cfg: RunConfig, folder: str) -> None:
+        """The top-k the learner asks for must exist in the teacher's vocabulary (its config.json)."""
+        top_k = cfg.algorithm.distillation.top_k
+        vocab = json.loads((Path(folder) / "config.json").read_text()).get("vocab_size")
+        if top_k and vocab is not None and top_k > vocab:
+            raise ValueError(f"algorithm.distillation.top_k={top_k} exceeds the teacher's vocabulary of {vocab} "
+                             f"tokens (teacher.path={folder!r}): set algorithm.distillation.top_k={vocab} or less")
 
     def __init__(self, cfg: RunConfig, worker_index: int, model_path: str) -> None:
         super().__init__(cfg, worker_index, model_path)

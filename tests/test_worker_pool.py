@@ -182,8 +182,8 @@ def test_the_critic_pool_checkpoints_its_group_and_refuses_a_checkpoint_without_
 def test_a_token_scorer_named_once_is_placed_resourced_counted_and_carried_to_the_batch():
     """What follows from naming a frozen token scorer in protocols.trajectory.TOKEN_SCORERS (reference, teacher):
     its pool, its placement bundles, its resources outside the placement, its metrics section and counters, and
-    its per-token field from the trajectories to the training batch. A new role that is named there and has a
-    pool and a config section gets all of these without another file naming it."""
+    its per-token field from the trajectories to the training batch. A new role that is named there, has a worker
+    class in actors/<role>_worker.py and a config section gets all of these without another file naming it."""
     from cluster.placement import ROLES as PLACED, plan_placement
     from cluster.ray_setup import _legacy_options
     from protocols.metrics import SECTIONS
@@ -199,6 +199,10 @@ def test_a_token_scorer_named_once_is_placed_resourced_counted_and_carried_to_th
         cfg = load_config(None, settings)
         pool = pools[role]
         assert pool.token_scorer and pool.launch_size(cfg) == 2 and role in PLACED
+        # served by actors/<role>_worker.py's <Role>Worker, which names the folder its model loads from
+        assert pool.actor.__name__ == f"{role.capitalize()}Worker" and pool.actor.__module__ == f"actors.{role}_worker"
+        assert pool.actor.model_folder(cfg, "/models/policy") == ("/models/teacher" if role == "teacher"
+                                                                  else "/models/policy")
         assert plan_placement(cfg).role(role).bundles == [{"CPU": 3.0, "judge_node": 1.0}] * 2
         assert _legacy_options(cfg, role) == {"num_cpus": 3.0, "num_gpus": 0, "resources": {"judge_node": 1.0}}
         assert f"{role}_worker/" in SECTIONS
@@ -218,3 +222,11 @@ def test_a_token_scorer_named_once_is_placed_resourced_counted_and_carried_to_th
         batch = TrainingBatch.from_trajectories(group.with_token_scores(role, rows).trajectories)
         assert field in PER_TOKEN and getattr(batch, field).tolist() == [[-0.5, -1.5, -2.5], [-3.5, -4.5, 0.0]]
         assert getattr(batch.select([1]), field).tolist() == [[-3.5, -4.5]]  # trimmed to the shorter response
+
+
+def test_a_token_scorer_named_without_its_worker_module_is_refused_naming_the_file_to_add():
+    from cluster.pools import token_scoring_pool
+
+    with pytest.raises(ImportError, match=r"names the role 'judge', so actors/judge_worker.py must define its worker "
+                                          r"class JudgeWorker"):
+        token_scoring_pool("judge")
