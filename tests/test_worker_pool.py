@@ -227,6 +227,6 @@ def test_a_token_scorer_named_once_is_placed_resourced_counted_and_carried_to_th
 def test_a_token_scorer_named_without_its_worker_module_is_refused_naming_the_file_to_add():
     from cluster.pools import token_scoring_pool
 
-    with pytest.raises(ImportError, match=r"names the role 'judge', so actors/judge_worker.py must define its worker "
-                                          r"class JudgeWorker"):
-        token_scoring_pool("judge")
+    with pytest.raises(ImportError, match=r"names the role 'unwritten', so actors/unwritten_worker.py must define "
+                                          r"its worker class UnwrittenWorker"):
+        token_scoring_pool("unwritten")
