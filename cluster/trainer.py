@@ -147,14 +147,8 @@ class Trainer:
         cfg = self.cfg
         trajectories = [t for g in groups for t in g.trajectories]
         self.trained_group_ids.extend(g.group_id for g in groups)
-        # the advantages take a group as samples_per_prompt rows in order (learner/advantages.py)
-        sizes = {g.group_id: len(g.trajectories) for g in groups
-                 if len(g.trajectories) != cfg.rollout.samples_per_prompt}
-        if sizes:
-            raise RuntimeError(f"the queue returned groups of {sizes} samples, not rollout.samples_per_prompt="
-                               f"{cfg.rollout.samples_per_prompt}: their advantages would mix groups")
         batch = TrainingBatch.from_trajectories(trajectories)
-        staleness = staleness_metrics(batch, self.version)  # before the shaping narrows the loss mask
+        staleness = staleness_metrics(trajectories, self.version)
         if staleness["staleness/max"] > cfg.train.max_staleness:
             raise RuntimeError(f"the queue returned a sample {staleness['staleness/max']:.0f} versions old, more than "
                                f"train.max_staleness={cfg.train.max_staleness} allows")

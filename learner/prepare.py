@@ -27,7 +27,7 @@ from learner.objective import (
 )
 from protocols.config import RunConfig
 from protocols.training_batch import TrainingBatch
-from protocols.trajectory import TOKEN_SCORERS
+from protocols.trajectory import TOKEN_SCORERS, Trajectory
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,9 @@ def prepare_batch(batch: TrainingBatch, cfg: RunConfig) -> PreparedBatch:
     """The batch the learner trains on: shaping, the KL in the reward, the critic's returns, advantages (mixed
     with the teacher's per-token advantage when teacher log-probs came with the batch) and the loss normalizer, each computed once over the whole global batch (group baselines span ranks). `batch` must
     already carry what the stream stamped (values with a critic, ref_logprobs with reference workers) and, when
-    `learner_scores_ref(cfg)`, the learner's reference log-probs."""
+    `learner_scores_ref(cfg)`, the learner's reference log-probs. A batch whose `group_index` is not whole groups
+    of rollout.samples_per_prompt in a row is refused: its advantages would mix groups."""
+    check_whole_groups(batch, cfg.rollout.samples_per_prompt)
     rewards, sample_mask = apply_reward_shaping(batch.rewards, batch.response_lengths, batch.truncated,
                                                 cfg.algorithm, cfg.rollout.max_response_tokens)
     batch = batch.with_sample_mask(sample_mask)
@@ -136,18 +138,28 @@ def prepare_batch(batch: TrainingBatch, cfg: RunConfig) -> PreparedBatch:
                          metrics=metrics)
 
 
-def staleness_metrics(batch: TrainingBatch, version: int) -> dict[str, float]:
+def check_whole_groups(batch: TrainingBatch, group_size: int) -> None:
+    """Raise ValueError unless the rows are whole groups of `group_size` in a row, as the advantages take them
+    (nothing to check on a batch built without group ids)."""
+    if batch.group_index is None:
+        return
+    _, sizes = torch.unique_consecutive(batch.group_index, return_counts=True)
+    regrouped = len(torch.unique(batch.group_index)) != len(sizes)
+    if regrouped or bool((sizes != group_size).any()):
+        raise ValueError(f"the batch's rows hold groups of {sizes.tolist()} samples in a row"
+                         f"{' (a group split over non-adjacent rows)' if regrouped else ''}, not "
+                         f"rollout.samples_per_prompt={group_size} each: their advantages would mix groups. The "
+                         "queue returns whole groups; a batch built by hand must keep each group's samples together")
+
+
+def staleness_metrics(trajectories: list[Trajectory], version: int) -> dict[str, float]:
     """staleness/*: how many versions behind `version` each sample's oldest sampled token is, as mean, max, a
-    histogram, and the share of samples whose tokens span several versions. `batch`: as collated from the
-    trajectories, before `prepare_batch` (its loss_mask is then exactly the engine's sampled tokens)."""
-    sampled = batch.loss_mask
-    big = torch.iinfo(torch.long).max
-    oldest = torch.where(sampled, batch.token_versions, big).min(dim=1).values
-    newest = torch.where(sampled, batch.token_versions, -1).max(dim=1).values
-    oldest = torch.where(oldest == big, -1, oldest)
-    lags = (version - oldest).tolist()
+    histogram, and the share of samples whose tokens span several versions. Each sample's oldest and newest
+    version are the trajectory's own (Trajectory.min_version, max_version: the engine's tokens only), the values
+    the replay queue drops stale groups by."""
+    lags = [version - t.min_version for t in trajectories]
     out = {"staleness/mean": sum(lags) / len(lags), "staleness/max": float(max(lags))}
     for lag in sorted(set(lags)):
         out[f"staleness/hist_{lag}"] = lags.count(lag) / len(lags)
-    out["staleness/mixed_version_frac"] = float((oldest != newest).float().mean())
+    out["staleness/mixed_version_frac"] = sum(t.min_version != t.max_version for t in trajectories) / len(lags)
     return out

@@ -28,6 +28,8 @@ PER_POSITION_K = ("teacher_topk_ids", "teacher_topk_logprobs")
 
 PER_SAMPLE = ("response_lengths", "sample_mask", "rewards", "truncated")
 """The `(B,)` fields."""
+OPTIONAL_PER_SAMPLE = ("group_index",)
+"""The optional `(B,)` fields."""
 
 
 @dataclass
@@ -73,6 +75,10 @@ class TrainingBatch:
     """(B, T) float32 GAE returns, the critic's regression targets (PPO)."""
     proximal_logprobs: Tensor | None = None
     """(B, T) float32: the policy's log-probs before the batch's first update (several updates per batch)."""
+    group_index: Tensor | None = None
+    """(B,) long: the group (prompt) of each sample, numbered 0, 1, ... in the batch's order, from the
+    trajectories' group ids. The advantages take rows [g*G:(g+1)*G] as one group; learner/prepare.py checks
+    the rows against it."""
 
     def __post_init__(self) -> None:
         b, t = self.response_ids.shape
@@ -87,9 +93,10 @@ class TrainingBatch:
                        or self.teacher_topk_ids is None or self.teacher_topk_logprobs is None):
             raise ValueError(f"TrainingBatch.teacher_topk_ids and teacher_topk_logprobs must both be (B, T, k) with "
                              f"(B, T) = {(b, t)}; got shapes {sorted(shapes)}")
-        for name in PER_SAMPLE:
-            if tuple(getattr(self, name).shape) != (b,):
-                raise ValueError(f"TrainingBatch.{name} has shape {tuple(getattr(self, name).shape)}, expected {(b,)}")
+        for name in PER_SAMPLE + OPTIONAL_PER_SAMPLE:
+            value = getattr(self, name)
+            if value is not None and tuple(value.shape) != (b,):
+                raise ValueError(f"TrainingBatch.{name} has shape {tuple(value.shape)}, expected {(b,)}")
         if bool((self.loss_mask & ~self.token_mask).any()):
             raise ValueError("TrainingBatch.loss_mask is True past a response's end: only response tokens train")
 
@@ -101,6 +108,7 @@ class TrainingBatch:
                      sample_mask: list[bool] | None = None, rewards: list[float] | None = None,
                      truncated: list[bool] | None = None, teacher_topk_ids: list[list[list[int]]] | None = None,
                      teacher_topk_logprobs: list[list[list[float]]] | None = None,
+                     group_index: list[int] | None = None,
                      **per_token: list[list[float]] | None) -> "TrainingBatch":
         """A batch from ragged per-sample lists, padded once. `model_token_mask`: True on tokens the engine
         sampled (default: every response token); `loss_mask` is that AND `sample_mask`. `per_token`: optional
@@ -138,6 +146,7 @@ class TrainingBatch:
             truncated=torch.tensor(truncated if truncated is not None else [False] * n, dtype=torch.bool),
             teacher_topk_ids=_pad_k(teacher_topk_ids, width, torch.long),
             teacher_topk_logprobs=_pad_k(teacher_topk_logprobs, width, torch.float32),
+            group_index=torch.tensor(group_index, dtype=torch.long) if group_index is not None else None,
             **{k: _pad(v, width, torch.float32) for k, v in per_token.items() if v is not None},
         )
 
@@ -146,16 +155,19 @@ class TrainingBatch:
         """The batch of scored `protocols.trajectory.Trajectory` records, in order: which tokens the engine
         sampled comes from each trajectory's own `loss_mask`; `ref_logprobs`, `teacher_logprobs` and `values` are
         taken when every trajectory carries them (reference, teacher and critic workers stamp them in the stream),
-        as are the teacher's top-k ids and log-probs."""
+        as are the teacher's top-k ids and log-probs. `group_index` numbers their group ids in order."""
         def every(name: str) -> list | None:
             rows = [getattr(t, name) for t in trajectories]
             return None if any(r is None for r in rows) else rows
+
+        groups: dict[str, int] = {}
+        group_index = [groups.setdefault(t.group_id, len(groups)) for t in trajectories]
 
         return cls.from_samples(
             [t.prompt.prompt_token_ids for t in trajectories], [t.response_token_ids for t in trajectories],
             [t.behavior_logprobs for t in trajectories], model_token_mask=[t.loss_mask for t in trajectories],
             token_versions=[t.token_versions for t in trajectories], rewards=[t.reward for t in trajectories],
-            truncated=[t.truncated for t in trajectories],
+            truncated=[t.truncated for t in trajectories], group_index=group_index,
             **{name: every(name) for name in TOKEN_SCORERS.values()}, values=every("values"),
             teacher_topk_ids=every("teacher_topk_ids"), teacher_topk_logprobs=every("teacher_topk_logprobs"))
 
@@ -196,8 +208,9 @@ class TrainingBatch:
         for name in PER_TOKEN + PER_POSITION_K:
             value = getattr(self, name)
             update[name] = None if value is None else value[index, :width]
-        for name in PER_SAMPLE:
-            update[name] = getattr(self, name)[index]
+        for name in PER_SAMPLE + OPTIONAL_PER_SAMPLE:
+            value = getattr(self, name)
+            update[name] = None if value is None else value[index]
         return replace(self, **update)
 
     def masked(self) -> "TrainingBatch":

@@ -62,11 +62,19 @@ def test_learner_scores_ref_only_when_the_ranks_hold_it_and_it_is_read_outside_o
 
 
 def test_staleness_reads_each_samples_oldest_sampled_token():
-    # at version 5: sample 0 sampled at [3, 4] -> lag 2, mixed; sample 1 at [5, tool token -1] -> lag 0
-    batch = TrainingBatch.from_samples([[1], [1]], [[5, 6], [7, 8]], [[-1.0, -1.0], [-1.0, 0.0]],
-                                       token_versions=[[3, 4], [5, -1]],
-                                       model_token_mask=[[True, True], [True, False]])
-    out = staleness_metrics(batch, 5)
+    # at version 5: sample 0 sampled at [3, 4] -> lag 2, mixed; sample 1 at [5] then a tool token (-1) -> lag 0
+    from protocols.trajectory import ToolCall
+    from tests.test_replay_queue import make_group
+
+    mixed, tooled = make_group("g", [1.0, 0.0], 5).trajectories
+    mixed = mixed.model_copy(update={"response_token_ids": [5, 6], "behavior_logprobs": [-1.0, -1.0],
+                                     "token_versions": [3, 4]})
+    tooled = tooled.model_copy(update={"response_token_ids": [7, 8], "behavior_logprobs": [-1.0, 0.0],
+                                       "token_versions": [5, -1],
+                                       "tool_calls": [ToolCall(name="calculator", arguments="1+1", output="2",
+                                                               output_start=1, output_tokens=1)]})
+    assert (mixed.min_version, mixed.max_version, tooled.min_version) == (3, 4, 5)
+    out = staleness_metrics([mixed, tooled], 5)
     assert out == {"staleness/mean": 1.0, "staleness/max": 2.0, "staleness/hist_0": 0.5, "staleness/hist_2": 0.5,
                    "staleness/mixed_version_frac": 0.5}
 
@@ -82,5 +90,27 @@ def test_the_driver_refuses_a_batch_too_stale_or_with_a_group_of_another_size_be
     with pytest.raises(RuntimeError, match="2 versions old, more than train.max_staleness=1"):
         trainer.step([make_group("fresh", [1.0, 0.0], 3), make_group("old", [1.0, 0.0], 1)])
     # a group of 3 beside one of 2 would put a sample of one group in the other's baseline
-    with pytest.raises(RuntimeError, match=r"groups of \{'g3': 3\} samples, not rollout.samples_per_prompt=2"):
+    with pytest.raises(ValueError, match=r"groups of \[3, 2\] samples in a row, not rollout.samples_per_prompt=2"):
         trainer.step([make_group("g3", [1.0, 0.0, 1.0], 3), make_group("g2", [1.0, 0.0], 3)])
+
+
+def test_the_batch_numbers_its_groups_and_prepare_refuses_rows_that_are_not_whole_groups_in_a_row():
+    from tests.test_replay_queue import make_group
+
+    cfg = load_config(None, ["rollout.samples_per_prompt=2", "algorithm.preset=grpo"])
+    a, b = make_group("a", [1.0, 0.0], 0).trajectories, make_group("b", [1.0, 1.0], 0).trajectories
+    batch = TrainingBatch.from_trajectories([*a, *b])
+    assert batch.group_index.tolist() == [0, 0, 1, 1]
+    assert batch.select([3, 2]).group_index.tolist() == [1, 1]
+    # whole groups in a row: group a [1, 0] has mean 0.5 and sample std sqrt(0.5), so advantages +-0.5/0.7071 =
+    # +-0.7071; group b [1, 1] has no signal, 0
+    advantages = prepare_batch(batch, cfg).batch.advantages
+    assert advantages[:, 0].tolist() == pytest.approx([0.7071, -0.7071, 0.0, 0.0], abs=1e-3)
+    # a group split over rows 0 and 2: positions would pair a's first sample with b's
+    interleaved = TrainingBatch.from_trajectories([a[0], b[0], a[1], b[1]])
+    assert interleaved.group_index.tolist() == [0, 1, 0, 1]
+    with pytest.raises(ValueError, match=r"groups of \[1, 1, 1, 1\] samples in a row \(a group split over "
+                                         r"non-adjacent rows\), not rollout.samples_per_prompt=2"):
+        prepare_batch(interleaved, cfg)
+    # a batch built by hand without group ids is taken by position, as before
+    assert TrainingBatch.from_samples([[1]] * 2, [[5], [6]]).group_index is None
