@@ -157,9 +157,10 @@ def staleness_metrics(trajectories: list[Trajectory], version: int) -> dict[str,
     histogram, and the share of samples whose tokens span several versions. Each sample's oldest and newest
     version are the trajectory's own (Trajectory.min_version, max_version: the engine's tokens only), the values
     the replay queue drops stale groups by."""
-    lags = [version - t.min_version for t in trajectories]
+    spans = [(t.min_version, t.max_version) for t in trajectories]  # each walks the sample's tokens once
+    lags = [version - oldest for oldest, _ in spans]
     out = {"staleness/mean": sum(lags) / len(lags), "staleness/max": float(max(lags))}
     for lag in sorted(set(lags)):
         out[f"staleness/hist_{lag}"] = lags.count(lag) / len(lags)
-    out["staleness/mixed_version_frac"] = sum(t.min_version != t.max_version for t in trajectories) / len(lags)
+    out["staleness/mixed_version_frac"] = sum(oldest != newest for oldest, newest in spans) / len(lags)
     return out
