@@ -43,11 +43,10 @@ train-distill: install
 # so that a test that grows shows. TEST_WORKERS=2 shares the tests between two pytest-xdist processes, a module whole
 # on one of them (--dist loadfile: a costly module fixture, an engine or a three-node cluster, starts once;
 # xdist_group marks would not do it under pytest 9.2 with pytest-xdist 3.8, whose rename of the test ids pytest
-# no longer reads). On the 2-core development machine that measured 22 min 23 s against 23 min 47 s in one process
-# (an earlier suite; it has grown since: 29 min 7 s in one process on a clean clone, 2026-11-29),
-# and two tests failed (a Ray start and the sandbox's fork bomb timed out beside the other process); the pure tests
-# alone took 2 min 15 s in two processes against 3 min 4 s in one, but a sandbox test with a 15 s limit failed in
-# that run (load 15 from other jobs). The tests are CPU-bound, so one process stays the default.
+# no longer reads). On the 2-core development machine, a clean clone on 2026-11-29: 28 min 56 s in two processes
+# against 28 min 44 s in one, every test passing in both (docs/test_suite.md: where the time goes). An earlier
+# two-process run lost two tests to timeouts beside the other process (a Ray start, the sandbox's fork bomb). The tests
+# are CPU-bound, so one process stays the default.
 TEST_WORKERS ?= 0
 test: install
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=20 -n $(TEST_WORKERS) --dist loadfile tests $(ARGS)
