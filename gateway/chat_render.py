@@ -7,6 +7,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rewards.tool_calls import MAX_JSON_DEPTH, json_depth
+
 STUB_USER = "\u2063relayrl-stub-user\u2063"
 STUB_REPLY = "\u2063relayrl-stub-reply\u2063"
 """Stand-ins for the conversation before the new messages when the delta is rendered: the template sees a user
@@ -24,18 +26,25 @@ def openai_to_template(message: Mapping[str, Any]) -> dict[str, Any]:
     calls = []
     for call in message.get("tool_calls") or []:
         function = dict(call.get("function") or {})
-        arguments = function.get("arguments")
-        if isinstance(arguments, str):
-            try:
-                function["arguments"] = json.loads(arguments)
-            except ValueError:
-                pass
+        function["arguments"] = arguments_object(function.get("arguments"))
         calls.append({**call, "function": function})
     if calls:
         out["tool_calls"] = calls
     else:
         out.pop("tool_calls", None)
     return out
+
+
+def arguments_object(arguments: Any) -> Any:
+    """Tool-call arguments as JSON text (OpenAI's format) read into the object they hold. Text that is not JSON
+    stays text, and so does JSON nested deeper than MAX_JSON_DEPTH: a client's message is refused that depth
+    before the decoder recurses, as the model's own calls are (gateway/hermes.py)."""
+    if not isinstance(arguments, str) or json_depth(arguments) > MAX_JSON_DEPTH:
+        return arguments
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
 
 def content_text(content: Any) -> str:
@@ -56,12 +65,7 @@ def canonical_message(message: Mapping[str, Any]) -> tuple:
     calls = []
     for call in message.get("tool_calls") or []:
         function = call.get("function") or {}
-        arguments = function.get("arguments")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                pass
+        arguments = arguments_object(function.get("arguments"))
         calls.append((function.get("name"), json.dumps(arguments, sort_keys=True)))
     reasoning = message.get("reasoning_content") or message.get("reasoning") or ""
     return (message.get("role"), content_text(message.get("content")), message.get("name") or "",

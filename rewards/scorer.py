@@ -318,14 +318,27 @@ def _run_unit(unit: _Unit, cfg: RewardConfig, specs: dict | None = None) -> list
         text = f"{type(err).__name__}: {err}"
         return [(it[0], None, "exception", text, seconds / len(unit.items)) for it in unit.items]
     seconds = (time.perf_counter() - start) / len(unit.items)
-    return [(it[0], _plain(r.model_dump()), "", "", seconds) for r, it in zip(shaped, unit.items, strict=True)]
+    out = []
+    for r, it in zip(shaped, unit.items, strict=True):
+        try:
+            out.append((it[0], _plain(r.model_dump()), "", "", seconds))
+        except ValueError as err:  # one sample's info, not the process: the others keep their results
+            out.append((it[0], None, "exception", f"verifier {unit.verifier!r} returned info that {err}", seconds))
+    return out
 
 
 def _plain(result: dict) -> dict:
-    """Info values a verifier returned become JSON types, so the result pickles and checkpoints as text."""
+    """Info values a verifier returned become JSON types, so the result pickles and checkpoints as text. Raises
+    ValueError for info JSON cannot hold (it would otherwise end the process): nested past the encoder's recursion
+    limit, or an integer past Python's int-to-text limit (a parsed answer of 5,000 digits)."""
     import json
 
-    result["info"] = json.loads(json.dumps(result["info"], default=repr))
+    try:
+        result["info"] = json.loads(json.dumps(result["info"], default=repr))
+    except RecursionError as err:
+        raise ValueError("nests too deep to write as JSON") from err
+    except ValueError as err:
+        raise ValueError(f"cannot be written as JSON ({err})") from err
     return result
 
 

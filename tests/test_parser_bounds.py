@@ -1,7 +1,10 @@
-"""Model output read back by the code verifier: a function-call result (the JSON the program returned) that nests
-past the decoder's recursion limit or holds a number past Python's int-from-text limit is a wrong answer, never an
-exception. (The bounds of the other parsers are tested beside them: test_tool_calls, test_tools, test_math_verifier,
-test_gsm8k_verifier.)"""
+"""JSON read back from outside: a function-call result the code verifier reads (the JSON the program returned) that
+nests past the decoder's recursion limit or holds a number past Python's int-from-text limit is a wrong answer, never
+an exception; a session client's tool-call arguments of that kind stay text. (The bounds of the other parsers are
+tested beside them: test_tool_calls, test_tools, test_math_verifier, test_gsm8k_verifier, test_hermes_parser; a
+verifier's info JSON cannot hold: test_scorer.)"""
+
+import json
 
 import pytest
 
@@ -23,3 +26,28 @@ def test_a_function_result_json_cannot_read_is_a_wrong_answer(monkeypatch, retur
     test = {"fn_name": "f", "args": [], "output": [1]}
     assert run_test("def f(): ...", test, CodeSandboxConfig(), 1.0) == (False, "wrong_answer")
 
+
+
+@pytest.mark.parametrize("arguments", [
+    "[" * 100_000 + "]" * 100_000,   # past the decoder's recursion limit
+    '{"n": ' + "1" * 5000 + "}",     # past the int-from-text limit
+    "not json",
+])  # fmt: skip
+def test_a_clients_tool_call_arguments_json_cannot_read_stay_text(arguments):
+    """A client's messages go back into the chat template and decide which earlier call a call extends; arguments
+    the decoder cannot read (or is not asked to: deeper than MAX_JSON_DEPTH) stay the text the client sent."""
+    from gateway.chat_render import canonical_message, openai_to_template
+
+    message = {"role": "assistant", "content": None,
+               "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}]}
+    assert openai_to_template(message)["tool_calls"][0]["function"]["arguments"] == arguments
+    assert canonical_message(message)[-1] == (("f", json.dumps(arguments)),)
+
+
+def test_a_clients_tool_call_arguments_within_bounds_are_read_as_the_object():
+    from gateway.chat_render import canonical_message, openai_to_template
+
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"b": [1], "a": 2}'}}
+    message = {"role": "assistant", "content": None, "tool_calls": [call]}
+    assert openai_to_template(message)["tool_calls"][0]["function"]["arguments"] == {"b": [1], "a": 2}
+    assert canonical_message(message)[-1] == (("f", '{"a": 2, "b": [1]}'),)

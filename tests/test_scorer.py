@@ -93,6 +93,21 @@ def test_exceptions_crashes_and_bad_returns_are_counted():
         scorer.close()
 
 
+def test_info_json_cannot_hold_is_that_samples_exception_and_the_process_lives():
+    scorer = _scorer("info_json_cannot_hold", num_processes=1)
+    try:
+        results = scorer.score(_prompts(4), ["ok", "deep", "digits", "fine"])
+        assert [r.error for r in results] == ["", "exception", "exception", ""]
+        assert [r.reward for r in results] == [1.0, 0.0, 0.0, 1.0]
+        assert results[0].info["parsed"] == "ok" and results[3].info["parsed"] == "fine"
+        assert "nests too deep" in results[1].info["message"]
+        assert "4300 digits" in results[2].info["message"]
+        metrics = scorer.metrics()
+        assert metrics["reward_worker/error_exception"] == 2 and metrics["reward_worker/process_restarts"] == 0
+    finally:
+        scorer.close()
+
+
 def test_batched_verifier_gets_the_batch():
     scorer = _scorer("count_chars", num_processes=1)
     try:
