@@ -8,6 +8,7 @@ re-derives it from lengths. Per-token tensors are `(B, T)` over response positio
 or micro-batch is `select(indices)`. Pure torch: it pickles through Ray and saves with `save`/`load`.
 """
 
+from array import array
 from dataclasses import dataclass, fields, replace
 from itertools import chain
 from pathlib import Path
@@ -118,7 +119,7 @@ class TrainingBatch:
         n = len(response_ids)
         lengths = torch.tensor([len(r) for r in response_ids], dtype=torch.long)
         width = max(1, int(lengths.max())) if n else 1
-        model_tokens = (_pad([[bool(x) for x in m] for m in model_token_mask], width, torch.bool)
+        model_tokens = (_pad(model_token_mask, width, torch.bool)
                         if model_token_mask is not None else torch.arange(width)[None, :] < lengths[:, None])
         keep = torch.tensor(sample_mask if sample_mask is not None else [True] * n, dtype=torch.bool)
         unknown = set(per_token) - set(SCORED_PER_TOKEN)
@@ -258,9 +259,31 @@ def _pad_k(rows: list[list[list]] | None, width: int, dtype: torch.dtype) -> Ten
 
 def _pad(rows: list[list], width: int, dtype: torch.dtype, fill: int | float = 0) -> Tensor:
     """Rows of lengths T_i -> (B, width), `fill` after each row's end. One tensor of all the values, scattered
-    through a mask: a tensor per row cost about 7 ms a step for the addition demo's 128 short rows."""
+    through a mask (`masked_scatter_`, ten times faster than assigning through the mask): a tensor per row cost
+    about 7 ms a step for the addition demo's 128 short rows."""
     out = torch.full((len(rows), width), fill, dtype=dtype)
     lengths = torch.tensor([len(row) for row in rows], dtype=torch.long)
     if int(lengths.sum()):
-        out[torch.arange(width) < lengths[:, None]] = torch.tensor(list(chain.from_iterable(rows)), dtype=dtype)
+        out.masked_scatter_(torch.arange(width) < lengths[:, None], _flat(rows, dtype))
     return out
+
+
+ARRAY_CODES = {torch.float32: "f", torch.long: "q", torch.bool: "b"}
+"""The `array` type code each padded dtype is read through: `torch.frombuffer` over an array makes a tensor of a
+long list about 2.7 times faster than `torch.tensor` does. The driver collates every step's batch: 64 samples of
+4,096 tokens took a median 180 ms, now 100 ms with `_pad`'s scatter (2 CPU cores)."""
+
+
+def _flat(rows: list[list], dtype: torch.dtype) -> Tensor:
+    """Every value of `rows` in order, as one 1-D tensor of `dtype`, converted as `torch.tensor` converts them
+    (float32 rounding, non-zero is True). A value the array cannot take (a float among integers, an integer past
+    64 bits) takes `torch.tensor`'s path."""
+    code = ARRAY_CODES.get(dtype)
+    if code is not None:
+        try:
+            flat = torch.frombuffer(array(code, chain.from_iterable(rows)),
+                                    dtype=torch.int8 if dtype == torch.bool else dtype)
+            return flat != 0 if dtype == torch.bool else flat
+        except (TypeError, OverflowError):
+            pass
+    return torch.tensor(list(chain.from_iterable(rows)), dtype=dtype)

@@ -54,3 +54,14 @@ def test_token_logprobs_equals_log_softmax_gather():
 
 def test_pad_per_token_zero_fills():
     assert pad_per_token([[1.0], [2.0, 3.0]], 3).tolist() == [[1.0, 0.0, 0.0], [2.0, 3.0, 0.0]]
+
+
+def test_padding_reads_values_as_torch_tensor_would_also_where_the_fast_path_cannot():
+    from protocols.training_batch import _pad
+
+    # integers and bools through the array path; a float among integers and an integer past 64 bits through
+    # torch.tensor's (truncated, and rounded to float32), as before
+    assert _pad([[1, True, 3], []], 4, torch.long, fill=-1).tolist() == [[1, 1, 3, -1], [-1, -1, -1, -1]]
+    assert _pad([[1.5, 2]], 2, torch.long).tolist() == [[1, 2]]
+    assert _pad([[2**70, -1e300, -0.5]], 4, torch.float32).tolist() == [[2.0**70, float("-inf"), -0.5, 0.0]]
+    assert _pad([[0, 2, True], [False]], 3, torch.bool).tolist() == [[False, True, True], [False, False, False]]
