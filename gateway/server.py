@@ -49,12 +49,14 @@ class ServeSettings:
     max_calls_in_flight: int
     retry_after_s: int
     tool_parser: str = "hermes"
+    max_request_bytes: int = 16 * 2**20
+    """gateway.max_request_bytes: a longer body is answered 413 before it is read whole."""
 
 
 def _error(status: int, message: str, retry_after: int | None = None) -> JSONResponse:
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
     kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-            429: "rate_limit_error"}.get(status, "session_error")
+            413: "invalid_request_error", 429: "rate_limit_error"}.get(status, "session_error")
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status, headers=headers)
 
 
@@ -63,9 +65,26 @@ def _bearer(request: Request) -> str | None:
     return auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key")
 
 
-async def _json_body(request: Request) -> dict:
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request's body, refused with 413 once it passes `limit` bytes (its declared length first, then what
+    arrives: a client may declare none, or lie)."""
+    too_long = SessionError(413, f"the body is over gateway.max_request_bytes={limit} bytes; send less, or raise "
+                                 "the setting")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_long
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_long
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _json_body(request: Request, limit: int) -> dict:
     try:
-        body = json.loads(await request.body() or b"{}")
+        body = json.loads(await _read_body(request, limit) or b"{}")
     except ValueError as err:
         raise SessionError(400, f"the body is not JSON ({err})") from err
     except RecursionError as err:  # the decoder recurses once per level of nesting
@@ -88,7 +107,7 @@ def build_app(book: SessionBook, inbox: CallInbox, settings: ServeSettings, base
 
     @app.post("/sessions")
     async def create_session(request: Request):
-        body = await _json_body(request)
+        body = await _json_body(request, settings.max_request_bytes)
         timeout = body.get("timeout_s")
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
                                     or not finite(timeout)):
@@ -101,7 +120,7 @@ def build_app(book: SessionBook, inbox: CallInbox, settings: ServeSettings, base
     @app.post("/sessions/{session_id}/reward")
     async def reward(session_id: str, request: Request):
         session = book.get(session_id, _bearer(request))
-        body = await _json_body(request)
+        body = await _json_body(request, settings.max_request_bytes)
         if "reward" not in body:
             raise SessionError(400, 'send {"reward": NUMBER} or {"reward": {"reward": NUMBER, ...}}')
         book.set_reward(session, body["reward"])
@@ -130,7 +149,7 @@ def build_app(book: SessionBook, inbox: CallInbox, settings: ServeSettings, base
     async def chat(session_id: str | None, request: Request):
         session = book.get(session_id, _bearer(request))
         book.check_open(session)
-        body = await _json_body(request)
+        body = await _json_body(request, settings.max_request_bytes)
         call, tools_on = _chat_call(body)
         return await serve(session, body, call, tools_on and settings.tool_parser == "hermes", chat=True,
                            request=request)
@@ -138,7 +157,7 @@ def build_app(book: SessionBook, inbox: CallInbox, settings: ServeSettings, base
     async def completion(session_id: str | None, request: Request):
         session = book.get(session_id, _bearer(request))
         book.check_open(session)
-        body = await _json_body(request)
+        body = await _json_body(request, settings.max_request_bytes)
         prompt = body.get("prompt")
         if isinstance(prompt, str):
             ids = renderer.encode(prompt)

@@ -31,7 +31,8 @@ class GatewayService:
         settings = ServeSettings(
             model_name=g.model_name, max_tokens=g.max_tokens or cfg.rollout.max_response_tokens,
             max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens,
-            max_calls_in_flight=g.max_calls_in_flight, retry_after_s=g.retry_after_s, tool_parser=g.tool_parser)
+            max_calls_in_flight=g.max_calls_in_flight, retry_after_s=g.retry_after_s, tool_parser=g.tool_parser,
+            max_request_bytes=g.max_request_bytes)
         self.server = GatewayServer(self.book, self.inbox, settings, g.host, g.port + worker_id if g.port else 0)
         self.server.start()
         agent = VerifiersAgent(g.verifiers_env) if g.verifiers_env else g.agent

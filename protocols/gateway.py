@@ -47,6 +47,11 @@ class GatewayConfig(BaseModel):
     """A session's deadline from its creation (a client may ask for less). A session with no reward by then is
     finished untrained, and counted."""
 
+    max_request_bytes: int = Field(16 * 2**20, ge=1024)
+    """Largest request body the endpoint reads; a larger one is answered 413 as soon as it passes the bound, never
+    read whole (a body is held in the rollout worker's memory). 16 MiB holds a conversation of millions of
+    characters."""
+
     max_tokens: int | None = Field(None, ge=1)
     """Most new tokens per call; None: rollout.max_response_tokens. A request's max_tokens is clamped to it."""
 

@@ -51,3 +51,29 @@ def test_a_clients_tool_call_arguments_within_bounds_are_read_as_the_object():
     message = {"role": "assistant", "content": None, "tool_calls": [call]}
     assert openai_to_template(message)["tool_calls"][0]["function"]["arguments"] == {"b": [1], "a": 2}
     assert canonical_message(message)[-1] == (("f", '{"a": 2, "b": [1]}'),)
+
+
+def test_a_request_body_past_gateway_max_request_bytes_is_answered_413_and_the_endpoint_serves_on(tmp_path):
+    """The body is refused as it passes the bound, declared (Content-Length) or not (chunked), never held whole."""
+    import httpx
+
+    from gateway.chat_render import ChatRenderer
+    from gateway.engine_bridge import CallInbox
+    from gateway.server import GatewayServer, ServeSettings
+    from gateway.sessions import SessionBook
+    from tests.tiny_chat_tokenizer import build_chat_tokenizer
+
+    book = SessionBook(ChatRenderer(build_chat_tokenizer(tmp_path)), "extend", max_sessions=8, timeout_s=30.0,
+                       train_group_size=1)
+    settings = ServeSettings(model_name="relayrl", max_tokens=8, max_model_len=64, max_calls_in_flight=4,
+                             retry_after_s=1, max_request_bytes=4096)
+    server = GatewayServer(book, CallInbox(lambda max_tokens: None), settings).start()
+    try:
+        big = b'{"group": "' + b"x" * 10_000 + b'"}'
+        r = httpx.post(f"{server.url}/sessions", content=big)
+        assert r.status_code == 413 and "gateway.max_request_bytes=4096" in r.json()["error"]["message"]
+        r = httpx.post(f"{server.url}/sessions", content=iter([big[:3000], big[3000:]]))  # no declared length
+        assert r.status_code == 413
+        assert httpx.post(f"{server.url}/sessions", json={"group": "g"}).status_code == 200
+    finally:
+        server.stop()
