@@ -243,6 +243,32 @@ def test_dockerfile_installs_the_repo_with_the_install_script(path):
     assert json.loads(dict(steps)["CMD"])[0] == "relayrl"
 
 
+VLLM_CUDA_MAJOR = {"0.32.0": 13}
+"""The CUDA major each pinned CUDA vLLM wheel is built for: 0.32.0's kernels load libnvrtc.so.13 and its metadata
+asks for cu13 packages (read from the wheel, `pip download --no-deps vllm==0.32.0`). A new pin needs its row."""
+DRIVER_FLOOR = {13: 580}
+"""The oldest NVIDIA driver branch that runs each CUDA major."""
+
+
+def test_gpu_image_is_on_the_cuda_major_of_the_pinned_vllm_wheel():
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (pin,) = [d.split("==")[1] for d in extras["gpu"] if d.startswith("vllm==")]
+    assert pin in VLLM_CUDA_MAJOR, f"the gpu extra pins vllm=={pin}: add its CUDA major to VLLM_CUDA_MAJOR"
+    major = VLLM_CUDA_MAJOR[pin]
+    base = instructions(REPO / "deploy" / "docker" / "Dockerfile.gpu")[0][1]
+    m = re.fullmatch(r"nvidia/cuda:(\d+)\.(\d+)\.(\d+)-(?:cudnn-)?devel-ubuntu\d+\.\d+", base)
+    # a -devel image: nvcc for the kernels vLLM's FlashInfer and DeepSpeed compile at run time
+    assert m, f"Dockerfile.gpu's base {base!r} is not an nvidia/cuda -devel image"
+    assert int(m.group(1)) == major, f"Dockerfile.gpu is CUDA {m.group(1)}; vllm=={pin} is a CUDA {major} build"
+    # the docs name the same CUDA major and its driver floor, in their own Requirements section
+    text = (REPO / "docs" / "gpu.md").read_text()
+    requirements = text.split("## Requirements", 1)[1].split("\n## ", 1)[0]
+    assert f"driver {DRIVER_FLOOR[major]} or newer" in requirements and f"CUDA {major} build" in requirements
+    assert f"vllm=={pin}" in requirements and base in requirements
+
+
 def test_docker_context_leaves_out_local_environments():
     ignored = (REPO / ".dockerignore").read_text().split()
     assert {".venv/", ".git/", "runs/"} <= set(ignored)
