@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.placement import Node, PlacementError, check_plan, check_pool_sizes, plan_placement, resource_request
+from cluster.placement import (Node, PlacementError, check_plan, check_pool_sizes, node_resources, plan_placement,
+                               resource_request)
 from protocols.config import load_config
 from tests.conftest import REPO
 
@@ -166,15 +167,39 @@ def test_the_long_lived_cluster_grows_a_rollout_group_for_a_larger_rollout_pool(
 # --- SLURM ----------------------------------------------------------------------------------------------------
 
 
-def slurm_dry_run(tmp_path: Path, nodelist: str, *args: str, path_dirs: list[Path] = ()) -> list[str]:
+VENV = Path(sys.prefix)
+"""The venv the script runs its Python from (cli.node_resources reads the config there): this test's own."""
+
+
+def slurm_run(tmp_path: Path, nodelist: str, *args: str, path_dirs: list[Path] = (),
+              env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RELAYRL_", "RAY_"))}
     env.update({"SLURM_JOB_NODELIST": nodelist, "SLURM_JOB_NUM_NODES": "2", "SLURM_GPUS_PER_NODE": "h100:8",
-                "SLURM_CPUS_PER_TASK": "96", "RELAYRL_HOME": "/shared/relayrl",
-                "PATH": os.pathsep.join([*map(str, path_dirs), "/usr/bin", "/bin"])})
-    out = subprocess.run(["bash", str(SBATCH), "--dry-run", *args], env=env, capture_output=True, text=True,
-                         timeout=60, cwd=tmp_path)
+                "SLURM_CPUS_PER_TASK": "96", "RELAYRL_HOME": str(REPO), "RELAYRL_VENV": str(VENV),
+                "PATH": os.pathsep.join([*map(str, path_dirs), "/usr/bin", "/bin"]), **(env_extra or {})})
+    return subprocess.run(["bash", str(SBATCH), "--dry-run", *args], env=env, capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
+
+
+def slurm_dry_run(tmp_path: Path, nodelist: str, *args: str, path_dirs: list[Path] = (),
+                  env_extra: dict[str, str] | None = None) -> list[str]:
+    out = slurm_run(tmp_path, nodelist, *args, path_dirs=path_dirs, env_extra=env_extra)
     assert out.returncode == 0, out.stderr
     return [line for line in out.stdout.splitlines() if not line.startswith("#")]
+
+
+def started_nodes(lines: list[str]) -> list[Node]:
+    """The Ray nodes the dry run's `srun ... ray start ...` commands start: CPUs, GPUs and --resources."""
+    nodes = []
+    for line in lines:
+        argv = shlex.split(line.removesuffix(" &"))
+        if "start" not in argv:
+            continue
+        flags = dict(a[2:].split("=", 1) for a in argv if a.startswith("--") and "=" in a)
+        resources = {"CPU": float(flags["num-cpus"]), "GPU": float(flags["num-gpus"])}
+        resources.update({k: float(v) for k, v in json.loads(flags.get("resources", "{}")).items()})
+        nodes.append(Node(argv[argv.index("-w") + 1], resources))
+    return nodes
 
 
 def test_sbatch_dry_run_prints_head_worker_and_training_commands(tmp_path):
@@ -183,15 +208,65 @@ def test_sbatch_dry_run_prints_head_worker_and_training_commands(tmp_path):
     # no scontrol on PATH: the script expands gpu[07-08] itself
     lines = slurm_dry_run(tmp_path, "gpu[07-08]", "--config", "deploy/configs/qwen2.5-1.5b_2nodes.yaml",
                           "model.path=/models/Qwen2.5-1.5B-Instruct")
-    ray = "/shared/relayrl/.venv/bin/ray"
+    ray = f"{VENV}/bin/ray"
+    # the 1.5B config pins no role to a node: no --resources
     assert lines == [
         f"srun --nodes=1 --ntasks=1 -w gpu07 {ray} start --head --node-ip-address=gpu07 --port=6379 "
         "--num-cpus=96 --num-gpus=8 --dashboard-host=0.0.0.0 --block &",
         f"srun --nodes=1 --ntasks=1 -w gpu08 {ray} start --address=gpu07:6379 --num-cpus=96 --num-gpus=8 --block &",
-        "cd /shared/relayrl",
-        "env RAY_ADDRESS=gpu07:6379 /shared/relayrl/.venv/bin/relayrl train --config "
+        f"cd {REPO}",
+        f"env RAY_ADDRESS=gpu07:6379 {VENV}/bin/relayrl train --config "
         "deploy/configs/qwen2.5-1.5b_2nodes.yaml model.path=/models/Qwen2.5-1.5B-Instruct",
     ]
+
+
+SEVEN_B = ("--config", "deploy/configs/qwen2.5-7b_2nodes.yaml", "model.path=/models/Qwen2.5-7B-Instruct")
+
+
+def test_sbatch_starts_the_nodes_the_7b_config_pins_its_roles_to(tmp_path):
+    lines = slurm_dry_run(tmp_path, "gpu[07-08]", *SEVEN_B)
+    nodes = started_nodes(lines)
+    # learner.num_ranks=8 x cluster.learner_resources.learner_node=1 on the head, rollout.num_workers=4 x
+    # cluster.rollout_resources.rollout_node=1 on the other node
+    assert nodes == [Node("gpu07", {"CPU": 96, "GPU": 8, "learner_node": 8}),
+                     Node("gpu08", {"CPU": 96, "GPU": 8, "rollout_node": 4})]
+    # the config plans on exactly the nodes the script starts, each role on its own node
+    cfg = load_config(REPO / SEVEN_B[1], list(SEVEN_B[2:]))
+    where = check_plan(plan_placement(cfg), nodes)
+    assert set(where["learner"]) == {"gpu07"} and set(where["rollout"]) == {"gpu08"}
+    # the nodes the script started before it passed --resources: the pinned roles have nowhere to go
+    with pytest.raises(PlacementError, match="needs 1 of resource 'rollout_node' on one node; the largest node has 0"):
+        check_plan(plan_placement(cfg), [Node(n.node_id, {"CPU": 96, "GPU": 8}) for n in nodes])
+
+
+def test_sbatch_node_resources_can_be_given(tmp_path):
+    given = slurm_dry_run(tmp_path, "gpu[07-08]", *SEVEN_B,
+                          env_extra={"RELAYRL_NODE_RESOURCES": '{"learner_node": 8};{"rollout_node": 4}'})
+    assert given == slurm_dry_run(tmp_path, "gpu[07-08]", *SEVEN_B)
+    out = slurm_run(tmp_path, "gpu[07-08]", *SEVEN_B, env_extra={"RELAYRL_NODE_RESOURCES": '{"learner_node": 8}'})
+    assert out.returncode == 2 and "RELAYRL_NODE_RESOURCES names 1 nodes but the allocation has 2" in out.stderr
+
+
+def test_sbatch_refuses_an_allocation_the_plan_does_not_fit_before_starting_ray(tmp_path):
+    # 4 GPUs a node: the 8 learner ranks pinned to one node do not fit on it
+    out = slurm_run(tmp_path, "gpu[07-08]", *SEVEN_B, env_extra={"RELAYRL_GPUS_PER_NODE": "4"})
+    assert out.returncode == 3 and "srun" not in out.stdout
+    assert out.stderr.startswith("relayrl.sbatch: ") and "learner" in out.stderr, out.stderr
+
+
+def test_node_resources_put_each_pinned_role_on_a_node_of_its_own():
+    cfg = load_config(REPO / SEVEN_B[1])
+    assert node_resources(cfg, 2) == [{"learner_node": 8}, {"rollout_node": 4}]
+    assert node_resources(cfg, 3) == [{"learner_node": 8}, {"rollout_node": 4}, {}]
+    # names one role asks for together share a node; a name two roles ask for is summed
+    both = load_config(REPO / SEVEN_B[1], ["cluster.reward_resources={rollout_node: 1, fast_cpu: 2}"])
+    assert node_resources(both, 2) == [{"learner_node": 8}, {"fast_cpu": 8, "rollout_node": 8}]
+    with pytest.raises(PlacementError, match=r"cluster.learner_resources.learner_node, "
+                                             r"cluster.rollout_resources.rollout_node pin roles to 2 different "
+                                             r"nodes, but the allocation has 1"):
+        node_resources(cfg, 1)
+    # the 1.5B config pins nothing
+    assert node_resources(load_config(REPO / "deploy" / "configs" / "qwen2.5-1.5b_2nodes.yaml"), 2) == [{}, {}]
 
 
 def test_sbatch_uses_scontrol_where_installed(tmp_path):
