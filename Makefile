@@ -1,4 +1,6 @@
-# The two commands of the README: `make train` and `make test`. Both install into .venv first.
+# The two commands of the README: `make train` and `make test`. Both install into .venv first, for the device the
+# venv was first installed for (`RELAYRL_DEVICE=gpu make install` once; deploy/install.sh records it and refuses the
+# other device's stack over it).
 VENV ?= .venv
 ARGS ?=
 

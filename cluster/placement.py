@@ -278,6 +278,36 @@ def parse_node_spec(spec: str) -> list[Node]:
     return [Node(f"node{i}", dict(resources)) for i in range(count)]
 
 
+def node_resources(cfg: RunConfig, num_nodes: int) -> list[dict[str, float]]:
+    """The custom resources to start each of `num_nodes` fresh Ray nodes with (a SLURM allocation), so that the
+    roles pinned by cluster.*_resources can be placed: the names one role's bundle asks for together share a node;
+    each such set takes the next node in the amount the whole plan asks for, the learner's first (so the head,
+    where the driver runs, is the learner's node, as deploy/configs/qwen2.5-7b_2nodes.yaml describes), then in
+    role order; the nodes after them get none (the unpinned roles fill the rest). PlacementError when there are
+    more sets than nodes."""
+    plan = plan_placement(cfg)
+    sets: list[set[str]] = []
+    setting: dict[str, str] = {}  # resource name -> the setting that asks for it, e.g. cluster.learner_resources.x
+    for role in sorted(plan.roles, key=lambda r: r.role != "learner"):
+        names = {k for k in (role.bundles[0] if role.bundles else {}) if k not in ("CPU", "GPU")}
+        for name in names:
+            setting.setdefault(name, role.shape[name].split("=")[0])
+        joined = [i for i, s in enumerate(sets) if s & names]
+        if not joined:
+            sets += [names] if names else []
+            continue
+        sets[joined[0]] = names.union(*(sets[i] for i in joined))
+        sets = [s for i, s in enumerate(sets) if i not in joined[1:]]
+    if len(sets) > num_nodes:
+        named = ", ".join(setting[n] for s in sets for n in sorted(s))
+        raise PlacementError(
+            f"{named} pin roles to {len(sets)} different nodes, but the allocation has {num_nodes}. Fix: "
+            f"allocate {len(sets)} nodes, give those roles the same resource name, or set RELAYRL_NODE_RESOURCES "
+            "(one JSON object per node) to start the nodes with resources of your choice.")
+    totals = plan.totals()
+    return [{n: totals[n] for n in sorted(s)} for s in sets] + [{} for _ in range(num_nodes - len(sets))]
+
+
 def local_nodes(cfg: RunConfig) -> list[Node]:
     """The one node the embedded cluster would start with (see ray_setup.start_ray)."""
     resources = {"CPU": float(cfg.cluster.num_cpus or max(8, os.cpu_count() or 1))}

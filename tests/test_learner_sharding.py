@@ -64,16 +64,48 @@ def test_two_ranks_match_one_rank_under_zero2_and_zero3(ray_cluster, tiny_models
     assert moved.max() > 1e-4
 
 
+def record_gathers(rank) -> None:
+    """In a rank process: note the bytes of every ZeRO-3 gather from now on (`rank.gathered_bytes`), through
+    DeepSpeed's own GatheredParameters."""
+    import deepspeed
+
+    real, rank.gathered_bytes = deepspeed.zero.GatheredParameters, []
+
+    class Recording(real):
+        def __init__(self, params, *args, **kwargs):
+            rank.gathered_bytes.append(sum(p.ds_numel * p.element_size() for p in params))
+            super().__init__(params, *args, **kwargs)
+
+    deepspeed.zero.GatheredParameters = Recording
+
+
+def expected_gathers(model, limit: int) -> list[int]:
+    """Bytes of each bucket of `model`'s state dict (learner/rank_weights.py `buckets`), a tied matrix counted once
+    per bucket, as the ranks gather it."""
+    from learner.rank_weights import buckets
+
+    state = model.state_dict()
+    tensors = list(state.values())
+    out = []
+    for bucket in buckets([t.numel() * t.element_size() for t in tensors], limit):
+        unique = {tensors[i].data_ptr(): tensors[i] for i in bucket}
+        out.append(sum(t.numel() * t.element_size() for t in unique.values()))
+    return out
+
+
 def test_saved_model_round_trips_under_zero3_with_tied_embeddings(ray_cluster, tiny_models, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from cluster.learner_group import LearnerGroup
 
+    # weight_sync.bucket_mb=1: the tiny model (about 1.2 MB of fp32) is gathered in more than one bucket
     cfg = load_config(None, ["learner.num_ranks=2", "learner.zero_stage=3", "learner.prompts_per_step=2",
-                             "rollout.samples_per_prompt=2"])
+                             "rollout.samples_per_prompt=2", "weight_sync.bucket_mb=1"])
     group = LearnerGroup(cfg, tiny_models["tied"])
     try:
+        ray.get([rank.__ray_call__.remote(record_gathers) for rank in group.ranks])
         group.save_hf(str(tmp_path / "saved"))
+        gathered = ray.get([rank.__ray_call__.remote(lambda rank: rank.gathered_bytes) for rank in group.ranks])
         # the ranks joined their group without DeepSpeed's shared-memory inference op (learner/rank_setup.py):
         # nothing here calls it, and building it is a C++ compile
         shm_ops = ray.get([rank.__ray_call__.remote(lambda _: __import__("deepspeed").comm.comm.cdb.shm_comm_op)
@@ -85,8 +117,17 @@ def test_saved_model_round_trips_under_zero3_with_tied_embeddings(ray_cluster, t
     finally:
         group.shutdown()
     assert shm_ops == [None, None] and inductor == [False, False]
-    original = AutoModelForCausalLM.from_pretrained(tiny_models["tied"]).state_dict()
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["tied"])
+    original = model.state_dict()
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "saved").state_dict()
     assert saved.keys() == original.keys()
     for name, tensor in original.items():
         torch.testing.assert_close(saved[name], tensor, rtol=0, atol=0, msg=name)
+    # the file is the one save_pretrained writes from a host copy of the whole state dict, byte for byte
+    model.save_pretrained(tmp_path / "whole", state_dict={k: v.detach().clone() for k, v in original.items()})
+    assert (tmp_path / "saved" / "model.safetensors").read_bytes() == \
+        (tmp_path / "whole" / "model.safetensors").read_bytes()
+    # both ranks entered the same gathers, a bucket at a time: never the whole model at once
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert gathered[0] == gathered[1] == expected_gathers(model, 2**20)
+    assert len(gathered[0]) >= 2 and max(gathered[0]) < whole

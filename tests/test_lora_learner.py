@@ -74,16 +74,18 @@ def test_lora_trains_the_adapter_alone_the_same_on_one_or_two_ranks(ray_cluster,
         assert result["loaded"] == result["saved"]  # the optimizer state came back whole
     # the saved folder: the merged model loads in plain transformers, the adapter in peft, and both score as the
     # learner does after its step; the base model in model.path is unchanged
+    # (ZeRO-3's folder too, merged a bucket of weight_sync.bucket_mb at a time on 2 ranks)
     ids = torch.tensor([[1, 3, 13, 5, 14, 7, 8]])
-    folder = tmp_path / "1_2" / "saved"
-    merged = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
-                                           str(folder / "adapter")).eval()
-    with torch.no_grad():
-        torch.testing.assert_close(merged(ids).logits, peft_model(ids).logits, rtol=1e-5, atol=1e-5)
-    adapter = load_file(str(folder / "adapter" / "adapter_model.safetensors"))
-    for name, tensor in base["weights"].items():
-        torch.testing.assert_close(adapter[name], tensor, rtol=0, atol=0)
+    for result, run in ((base, "1_2"), (sharded[1], "2_3")):
+        folder = tmp_path / run / "saved"
+        merged = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                                               str(folder / "adapter")).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(merged(ids).logits, peft_model(ids).logits, rtol=1e-5, atol=1e-5, msg=run)
+        adapter = load_file(str(folder / "adapter" / "adapter_model.safetensors"))
+        for name, tensor in result["weights"].items():
+            torch.testing.assert_close(adapter[name], tensor, rtol=0, atol=0, msg=f"{run} {name}")
     # the checkpoint holds the adapter, not the base model: far smaller than the 2 x 0.3M-parameter model
     states = list((tmp_path / "1_2" / "state" / "ds").glob("*model_states.pt"))
     assert states and all(p.stat().st_size < 200_000 for p in states)

@@ -77,18 +77,21 @@ def zero_adapter(model_path: str, lora: LoraConfig, trust_remote_code: bool = Fa
     return [(name, torch.zeros(param.shape, dtype=torch.float32)) for name, param in adapter_params(model)]
 
 
-def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def merged_state_dict(model: torch.nn.Module, only: set[str] | None = None) -> dict[str, torch.Tensor]:
     """The base model's weights with the adapter merged in (W + alpha/r * B @ A), under the base model's own
     checkpoint names, as host copies: a folder transformers and vLLM load without peft. `model` is the peft
-    model with its parameters whole (gathered under ZeRO-3)."""
+    model with its parameters whole (gathered under ZeRO-3). `only`: just these entries of the base model's
+    state dict (its live names, `...q_proj.base_layer.weight`), whose parameters and adapter matrices are the
+    whole ones (a bucket of a gather)."""
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model()
     deltas = {f"{name}.weight": module.get_delta_weight(ADAPTER_NAME)
-              for name, module in base.named_modules() if isinstance(module, LoraLayer)}
+              for name, module in base.named_modules()
+              if isinstance(module, LoraLayer) and (only is None or f"{name}.base_layer.weight" in only)}
     out = {}
     for name, tensor in base.state_dict().items():
-        if ".lora_" in name:
+        if ".lora_" in name or (only is not None and name not in only):
             continue
         name = name.replace(".base_layer.", ".")
         tensor = tensor.detach()
