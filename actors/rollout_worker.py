@@ -21,7 +21,7 @@ from actors.decode_loop import DecodeLoop, SampleInFlight, finish_every_request
 from actors.lora_adapter import AdapterRequests, EngineAdapter, lora_engine_args
 from actors.prefix_cache import SaltedRequests, cache_salt
 from actors.score_router import ScoreRouter
-from actors.vllm_weights import load_checkpoint_weights, tensor_parallel_engine_args
+from actors.vllm_weights import check_vllm_interfaces, load_checkpoint_weights, tensor_parallel_engine_args
 from actors.weight_probe_requests import ProbingEngine
 from actors.worker_policy import PolicySettings, WorkerPolicy
 from gateway.sessions import SESSION_GROUP_PREFIX
@@ -60,6 +60,7 @@ class RolloutWorker:
         configure_vllm_env(cfg)
         with frozen_after_imports():
             from vllm import LLM
+            check_vllm_interfaces()  # a vLLM that moved what relayrl calls fails here, naming it, not mid-run
 
         self.cfg = cfg
         self.worker_id = worker_id

@@ -8,6 +8,7 @@ vLLM's weight-transfer engines (`WeightTransferConfig`, `update_weights`) were n
 need CUDA, and a project backend would have to call the internal `model_loader.reload` module itself.
 """
 
+import functools
 import inspect
 import os
 
@@ -15,9 +16,11 @@ import os
 TESTED_VLLM = {"cpu": "0.32.0", "gpu": "0.32.0"}
 
 
+@functools.cache
 def check_vllm_interfaces() -> str:
     """Raise RuntimeError naming each vLLM interface this project uses that the installed vLLM lacks.
-    Returns the installed version."""
+    Returns the installed version. Once per process (a rollout worker calls it before it builds its engine); the
+    suite checks the rest, on the CUDA wheel's source too (actors/vllm_source_check.py)."""
     import vllm
     from vllm import LLM
 
@@ -37,6 +40,11 @@ def check_vllm_interfaces() -> str:
         missing.append("vllm.v1.worker.gpu_model_runner.GPUModelRunner")
     elif not {"weights_iterator", "is_checkpoint_format"} <= params:
         missing.append("GPUModelRunner.reload_weights(weights_iterator=..., is_checkpoint_format=...)")
+    # CUDA's default, Model Runner V2, read from source: importing it on a CPU build would need its GPU imports.
+    v2 = _model_runner_v2_reload_params()
+    if not {"weights_iterator", "is_checkpoint_format"} <= v2:
+        missing.append("vllm.v1.worker.gpu.model_runner.GPUModelRunner.reload_weights(weights_iterator=..., "
+                       "is_checkpoint_format=...) (Model Runner V2)")
     # model.lora (actors/lora_adapter.py): adapters replaced in place in a running engine
     try:
         from vllm.lora.request import LoRARequest
@@ -61,6 +69,14 @@ def _model_runner_reload_params() -> set[str] | None:
     except ImportError:
         return None
     return set(inspect.signature(GPUModelRunner.reload_weights).parameters)
+
+
+def _model_runner_v2_reload_params() -> set[str]:
+    from actors.vllm_source import SourceTree, installed_vllm_source, parameters
+
+    found = SourceTree(installed_vllm_source()).method("vllm.v1.worker.gpu.model_runner", "GPUModelRunner",
+                                                       "reload_weights")
+    return parameters(found) if found else set()
 
 
 def load_checkpoint_weights(llm, weights: list) -> None:
