@@ -41,7 +41,8 @@ train-outside: install
 train-distill: install
 	$(VENV)/bin/python benchmarks/distillation.py --out runs/distill $(ARGS)
 
-# Pure tests run first (tests/conftest.py orders them), and the 20 slowest are listed at the end of every run
+# Pure tests run first (tests/conftest.py orders them), skip reasons are printed (-rs: a source check with no wheel
+# to read says why), and the 20 slowest are listed at the end of every run
 # so that a test that grows shows. TEST_WORKERS=2 shares the tests between two pytest-xdist processes, a module whole
 # on one of them (--dist loadfile: a costly module fixture, an engine or a three-node cluster, starts once;
 # xdist_group marks would not do it under pytest 9.2 with pytest-xdist 3.8, whose rename of the test ids pytest
@@ -51,4 +52,4 @@ train-distill: install
 # are CPU-bound, so one process stays the default.
 TEST_WORKERS ?= 0
 test: install
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=20 -n $(TEST_WORKERS) --dist loadfile tests $(ARGS)
+	$(VENV)/bin/python -m pytest -q -rs -p no:cacheprovider --durations=20 -n $(TEST_WORKERS) --dist loadfile tests $(ARGS)

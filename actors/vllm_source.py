@@ -19,7 +19,22 @@ WHEEL_PLATFORM = "manylinux_2_28_x86_64"
 READY_MARKER = ".relayrl-unpacked"
 """Written last into an unpacked tree; a tree without it is never used."""
 
+DOWNLOAD_TIMEOUT_S = 900
+"""The most a download of the wheel may take (326 MB: 7 s at 84 MB/s here, 5.5 min at 1 MB/s); past it the
+download is given up as unreachable, so a slow network cannot hold a test run for its whole time budget."""
+
+NETWORK_ERRORS = ("NewConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "Max retries exceeded",
+                  "Temporary failure in name resolution", "Name or service not known", "Network is unreachable",
+                  "ProxyError", "connection broken by", "Read timed out", "IncompleteRead")
+"""What pip writes when it cannot reach an index (its retries), as against an index that answers without the
+version."""
+
 Definition = ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef
+
+
+class WheelUnreachable(RuntimeError):
+    """pip could not reach an index for the CUDA wheel (no network, or too slow): the wheel is not to be had on this
+    machine now, which is not a fault of the code that reads it."""
 
 
 def default_source_cache() -> Path:
@@ -30,14 +45,17 @@ def default_source_cache() -> Path:
 
 
 def download_command(version: str, dest: Path) -> list[str]:
+    # --timeout/--retries over the environment's (PIP_DEFAULT_TIMEOUT=180 with 5 retries is 18 min on a black hole)
     return [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "--only-binary=:all:",
-            "--platform", WHEEL_PLATFORM, f"vllm=={version}", "-d", str(dest)]
+            "--timeout", "30", "--retries", "2", "--platform", WHEEL_PLATFORM, f"vllm=={version}", "-d", str(dest)]
 
 
 def fetch_cuda_vllm_source(version: str, cache: Path | None = None) -> Path:
     """The folder holding `vllm/` (only its .py files) of the CUDA `vllm==version` wheel. The first call on a
     machine downloads the wheel (about 326 MB) into `cache/<version>/`, unpacks its .py files and deletes it; later
-    calls return the unpacked tree. A wheel already in `cache/<version>/` (downloaded by hand) is used as is."""
+    calls return the unpacked tree. A wheel already in `cache/<version>/` (downloaded by hand) is used as is.
+    Raises WheelUnreachable when pip reaches no index (or the download passes DOWNLOAD_TIMEOUT_S), RuntimeError
+    when an index answers without the wheel."""
     cache = cache or default_source_cache()
     final = cache / version
     if (final / READY_MARKER).is_file():
@@ -50,14 +68,20 @@ def fetch_cuda_vllm_source(version: str, cache: Path | None = None) -> Path:
         wheels = sorted(final.glob(f"vllm-{version}-*.whl"))
         if not wheels:
             command = download_command(version, final)
-            done = subprocess.run(command, capture_output=True, text=True)
+            by_hand = (f"On a machine that reaches PyPI run\n  {' '.join(command[2:])}\nand put the wheel in {final} "
+                       f"(or set RELAYRL_VLLM_SOURCE_DIR to a folder holding <version>/ with it)")
+            try:
+                done = subprocess.run(command, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                raise WheelUnreachable(f"the CUDA vLLM wheel (vllm=={version}) that the source check reads did not "
+                                       f"download in {DOWNLOAD_TIMEOUT_S} s.\n{by_hand}") from None
             wheels = sorted(final.glob(f"vllm-{version}-*.whl"))
             if done.returncode != 0 or not wheels:
                 tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-                raise RuntimeError(
-                    f"could not download the CUDA vLLM wheel (vllm=={version}) that the source check reads: "
-                    f"{' / '.join(tail)}\nOn a machine that reaches PyPI run\n  {' '.join(command[2:])}\nand put the "
-                    f"wheel in {final} (or set RELAYRL_VLLM_SOURCE_DIR to a folder holding <version>/ with it)")
+                unreachable = any(marker in done.stderr + done.stdout for marker in NETWORK_ERRORS)
+                raise (WheelUnreachable if unreachable else RuntimeError)(
+                    f"could not download the CUDA vLLM wheel (vllm=={version}) that the source check reads"
+                    f"{' (pip reached no index)' if unreachable else ''}: {' / '.join(tail)}\n{by_hand}")
         _unpack_python(wheels[0], final)
         wheels[0].unlink()
         (final / READY_MARKER).write_text(wheels[0].name + "\n")
