@@ -21,7 +21,8 @@ from actors.decode_loop import DecodeLoop, SampleInFlight, finish_every_request
 from actors.lora_adapter import AdapterRequests, EngineAdapter, lora_engine_args
 from actors.prefix_cache import SaltedRequests, cache_salt
 from actors.score_router import ScoreRouter
-from actors.vllm_weights import check_vllm_interfaces, load_checkpoint_weights, tensor_parallel_engine_args
+from actors.vllm_weights import (check_vllm_interfaces, load_checkpoint_weights, load_object_refs,
+                                 tensor_parallel_engine_args, weight_loader_engine_args)
 from actors.weight_probe_requests import ProbingEngine
 from actors.worker_policy import PolicySettings, WorkerPolicy
 from gateway.sessions import SESSION_GROUP_PREFIX
@@ -89,6 +90,7 @@ class RolloutWorker:
                 trust_remote_code=cfg.model.trust_remote_code,
                 # model.lora: the engine serves the policy's adapter on the frozen base (actors/lora_adapter.py)
                 **lora_engine_args(cfg.model.lora),
+                **weight_loader_engine_args(),  # weights reach each TP worker directly (actors/vllm_weights.py)
                 **extra,
             )
         except (OSError, ValueError, RuntimeError) as err:
@@ -162,22 +164,27 @@ class RolloutWorker:
             raise ValueError(f"worker {self.worker_id}: weight version {announcement.version} is not newer than "
                              f"{self.version}")
         start = time.perf_counter()
-        version = self.receiver.load(announcement, lambda weights: self._apply_weights(
-            [(name, tensor) for name, tensor in weights
-             if self.skip_on_load is None or not name.startswith(self.skip_on_load)]))
+        refs = self.receiver.direct_refs(announcement) if self.adapter is None else None
+        if refs is not None:  # each TP worker maps the version from the object store itself
+            version = announcement.version
+            load_object_refs(self.llm, version, refs, self.skip_on_load)
+        else:
+            version = self.receiver.load(announcement, lambda weights: self._apply_weights(weights, announcement))
         self.policy.loaded(version)
         self._probe_weights(version)
         seconds = time.perf_counter() - start
         self.sync_seconds += seconds
         return seconds
 
-    def _apply_weights(self, weights: list) -> None:
-        """Load a version's checkpoint-format pairs into the engine: the full weights in place, or with LoRA the
-        adapter (replaced in place under the engine's one adapter id)."""
+    def _apply_weights(self, weights: list, announcement: WeightAnnouncement) -> None:
+        """Load a version's checkpoint-format pairs staged here into the engine: the full weights in place, or
+        with LoRA the adapter (replaced in place under the engine's one adapter id)."""
         if self.adapter is not None:
-            self.adapter.load(weights)
+            skip = self.skip_on_load
+            self.adapter.load([(name, t) for name, t in weights if skip is None or not name.startswith(skip)])
         else:
-            load_checkpoint_weights(self.llm, weights)
+            # the version is the announced one, for the workers' report (a collective receiver may stage a newer)
+            load_checkpoint_weights(self.llm, weights, announcement.version, self.skip_on_load)
 
     def _probe_weights(self, version: int) -> None:
         """Score the probe under the weights just loaded, if `version` is checked: in the coming decode steps, or

@@ -31,7 +31,7 @@ WEIGHT_TRANSFER = ("init_weight_transfer_engine", "start_weight_update", "update
 
 METHODS = [
     # (module, class, method, parameters it must take, where relayrl calls it)
-    (LLM, "LLM", "collective_rpc", {"method", "kwargs"}, "actors/vllm_weights.py load_checkpoint_weights"),
+    (LLM, "LLM", "collective_rpc", {"method", "args"}, "actors/vllm_weights.py _load, the load message"),
     (LLM, "LLM", "generate", {"lora_request"}, "actors/eval_generation.py"),
     (LLM, "LLM", "get_tokenizer", set(), "actors/rollout_worker.py"),
     (ENGINE, "LLMEngine", "add_request", {"request_id", "prompt", "params", "lora_request"},
@@ -40,9 +40,12 @@ METHODS = [
     (ENGINE, "LLMEngine", "has_unfinished_requests", set(), "actors/decode_loop.py"),
     (ENGINE, "LLMEngine", "abort_request", set(), "actors/decode_loop.py"),
     (ENGINE, "LLMEngine", "add_lora", {"lora_request"}, "actors/lora_adapter.py EngineAdapter.load"),
-    # collective_rpc("reload_weights") reaches the worker, which forwards its arguments to the model runner: V1
-    # on CPU (and on CUDA without Triton), V2 by default on CUDA (VllmConfig.use_v2_model_runner).
-    (WORKER, "Worker", "reload_weights", set(), "the worker's RPC"),
+    # the worker extension (mixed into the worker, actors/vllm_worker_extension.py) calls the worker's
+    # reload_weights, which forwards its arguments to the model runner: V1 on CPU (and on CUDA without Triton), V2
+    # by default on CUDA (VllmConfig.use_v2_model_runner).
+    (WORKER, "Worker", "reload_weights", set(), "actors/vllm_worker_extension.py WeightLoader, in each TP worker"),
+    ("vllm.v1.worker.worker_base", "WorkerWrapperBase", "init_worker", set(),
+     "mixes LLM(worker_extension_cls=...) into the worker class"),
     (RUNNER_V1, "GPUModelRunner", "reload_weights", {"weights_iterator", "is_checkpoint_format"}, "V1 model runner"),
     (RUNNER_V2, "GPUModelRunner", "reload_weights", {"weights_iterator", "is_checkpoint_format"}, "V2 model runner"),
     # vLLM's native weight transfer (docs/weight_sync.md), on the engine and in every TP worker

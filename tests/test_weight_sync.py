@@ -16,9 +16,30 @@ from tests.test_learner_sharding import make_batch
 pytestmark = pytest.mark.slow
 
 
-def _sync_gap(ray_cluster, path: str, overrides: list[str], then=None) -> tuple[float, float, dict]:
-    """(max |vLLM - learner| after the push, max movement of vLLM's log-probs, the publish result). `then(path,
-    cfg, learner, worker, batch)` runs after, on the same engine and learner (an engine start costs about 30 s)."""
+def _record_rpcs(worker) -> None:
+    """Inside the rollout worker's actor, wrap its engine's `collective_rpc` so that each call records (method,
+    bytes of its arguments pickled, whether they hold tensors) in `worker.rpcs`, then runs unchanged: the pickled
+    size is what vLLM's message queue copies to every worker process of a tensor-parallel engine."""
+    def install(self):
+        import pickle
+
+        self.rpcs = []
+        call = self.llm.collective_rpc
+
+        def recording(method, timeout=None, args=(), kwargs=None):
+            holds_tensors = any("tensors" in a for a in args if isinstance(a, dict))
+            self.rpcs.append((method, len(pickle.dumps((args, kwargs))), holds_tensors))
+            return call(method, timeout, args, kwargs)
+
+        self.llm.collective_rpc = recording
+
+    ray.get(worker.__ray_call__.remote(install))
+
+
+def _sync_gap(ray_cluster, path: str, overrides: list[str], then=None) -> tuple[float, float, dict, list, float]:
+    """(max |vLLM - learner| after the push, max movement of vLLM's log-probs, the publish result, the engine RPCs
+    of the load (see _record_rpcs), the load's seconds). `then(path, cfg, learner, worker, batch)` runs after, on
+    the same engine and learner (an engine start costs about 30 s)."""
     from actors.rollout_worker import RolloutWorker
     from cluster.learner_group import LearnerGroup
 
@@ -35,7 +56,9 @@ def _sync_gap(ray_cluster, path: str, overrides: list[str], then=None) -> tuple[
         before = ray.get(worker.sequence_logprobs.remote(batch.prompt_ids, responses))
         learner.train_step(batch, count_normalizer(batch.loss_mask, cfg.rollout.max_response_tokens))
         published = learner.publish_weights(1)
-        ray.get(worker.load_weights.remote(published))
+        _record_rpcs(worker)
+        load_s = ray.get(worker.load_weights.remote(published))
+        rpcs = ray.get(worker.__ray_call__.remote(lambda self: self.rpcs))
         assert ray.get(worker.get_version.remote()) == 1
         after_vllm = ray.get(worker.sequence_logprobs.remote(batch.prompt_ids, responses))
         after_learner = batch.per_sample_rows(learner.policy_logprobs(batch))
@@ -48,7 +71,7 @@ def _sync_gap(ray_cluster, path: str, overrides: list[str], then=None) -> tuple[
     flat = lambda rows: torch.tensor([x for row in rows for x in row])  # noqa: E731
     gap = (flat(after_vllm) - flat(after_learner)).abs().max().item()
     moved = (flat(after_vllm) - flat(before)).abs().max().item()
-    return gap, moved, published
+    return gap, moved, published, rpcs, load_s
 
 
 SKIPPED = "model.layers.0.mlp.down_proj.weight"
@@ -93,8 +116,8 @@ def _probe_check(found: dict, path: str, cfg, learner, worker, batch) -> None:
 
 @pytest.mark.parametrize("transport", ["object_store", "collective"])
 def test_vllm_matches_learner_after_update_and_push(ray_cluster, tiny_models, transport):
-    """Tied and untied embeddings (and for the collective transport a tensor-parallel engine), each with its own
-    engine and learner group, started at once (conftest at_once). bucket_mb=1: the tiny model (about 1.3 MB of
+    """Tied and untied embeddings and a tensor-parallel engine, each with its own engine and learner group, started
+    at once (conftest at_once); each loads the version through one control-message RPC. bucket_mb=1: the tiny model (about 1.3 MB of
     fp32) travels in more than one bucket. On the tied model the same engine then runs the weight-sync check on a
     whole load and on a load with one tensor left out."""
     found: dict = {}
@@ -102,17 +125,27 @@ def test_vllm_matches_learner_after_update_and_push(ray_cluster, tiny_models, tr
     calls = [(_sync_gap, ray_cluster, tiny_models["tied"], overrides, lambda *args: _probe_check(found, *args)),
              (_sync_gap, ray_cluster, tiny_models["untied"], overrides)]
     variants = ["tied", "untied"]
-    if transport == "collective":
-        # and an engine of two tensor-parallel ranks, each holding half of every sharded matrix: a rank that kept
-        # old weights would move the log-probs
-        calls.append((_sync_gap, ray_cluster, tiny_models["tied"], [*overrides, "rollout.tensor_parallel_size=2"]))
-        variants.append("tied, tensor-parallel engine")
+    # and an engine of two tensor-parallel ranks (vLLM's `mp` executor on CPU: two worker processes), each holding
+    # half of every sharded matrix and reading the version itself: a rank that kept old weights would move the
+    # log-probs
+    calls.append((_sync_gap, ray_cluster, tiny_models["tied"], [*overrides, "rollout.tensor_parallel_size=2"]))
+    variants.append("tied, tensor-parallel engine")
     results = at_once(*calls)
-    for variant, (gap, moved, published) in zip(variants, results):
+    for variant, (gap, moved, published, rpcs, load_s) in zip(variants, results):
+        print(f"{variant}/{transport}: load {load_s:.3f} s, engine RPCs {rpcs}")
         assert (published.refs == []) == (transport == "collective")
         assert gap < 1e-4, f"{variant}/{transport}: vLLM and learner log-probs differ by {gap} after the push"
         # lr 1e-2 moves log-probs far more than the tolerance, so a push that did nothing cannot pass
         assert moved > 1e-2, f"{variant}/{transport}: the update moved vLLM's log-probs by only {moved}"
+        # one RPC per version, a control message: the tiny model's weights alone pickle to about 1.3 MB. Only an
+        # in-process engine (TP = 1, where the RPC is a plain call, nothing pickled) is handed the collective
+        # transport's staged tensors themselves.
+        ((method, num_bytes, holds_tensors),) = rpcs
+        assert method == "relayrl_load_weights"
+        in_process_tensors = transport == "collective" and "tensor-parallel" not in variant
+        assert holds_tensors == in_process_tensors, (variant, transport)
+        if not in_process_tensors:
+            assert num_bytes < 2**20, f"{variant}/{transport}: the load's RPC carried {num_bytes} bytes"
     print(f"weight-sync check {transport}: gaps {found}")
     tolerance = 1e-3  # the float32 default
     assert found["clean"] < tolerance and found["clean_after"] < tolerance, found

@@ -197,6 +197,15 @@ class ObjectStoreReceiver(WeightReceiver):
         self.read_bytes = 0
         """Bytes this worker read from the object store (over the network when the learner is on another node)."""
 
+    def direct_refs(self, announcement: WeightAnnouncement) -> list | None:
+        """Dense: the one ref the sender put, which every tensor-parallel worker maps itself. With
+        weight_sync.delta the version is this worker's held copy (`stage`), so None."""
+        refs = announcement.refs
+        if not refs or isinstance(refs[0], tuple):
+            return None
+        self.read_bytes += announcement.num_bytes
+        return refs[:1]
+
     def stage(self, announcement: WeightAnnouncement) -> tuple[int, list[tuple[str, torch.Tensor]]]:
         """(version, checkpoint-format pairs) of the announced weights; dense, the pairs map the object store."""
         import ray

@@ -128,6 +128,12 @@ class WeightReceiver(ABC):
             self.release()
         return loaded
 
+    def direct_refs(self, announcement: WeightAnnouncement) -> list | None:
+        """Object refs of the announced version in the object-store packed form (weights/object_store.py), when
+        the engine's workers can read it themselves (each tensor-parallel worker maps it: no copy in this
+        process); None when the backend stages the version here (`load`)."""
+        return None
+
     @abstractmethod
     def stage(self, announcement: WeightAnnouncement) -> tuple[int, list[tuple[str, torch.Tensor]]]:
         """(version, checkpoint-format pairs) of the announced version or a newer one, from what the announcement
