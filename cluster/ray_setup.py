@@ -20,6 +20,13 @@ QUIET_ENV = {"TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "ERROR", "
              "HF_HUB_DISABLE_PROGRESS_BARS": "1", "RAY_DEDUP_LOGS": "1"}
 
 
+def driver_log_level() -> dict[str, str]:
+    """The VLLM_LOGGING_LEVEL the driver was started with, which overrides QUIET_ENV's in every actor: a first GPU
+    run (deploy/gpu_smoke.sh) asks for vLLM's INFO lines (attention backend, KV cache, CUDA graphs)."""
+    level = os.environ.get("VLLM_LOGGING_LEVEL", "")
+    return {"VLLM_LOGGING_LEVEL": level} if level else {}
+
+
 def start_ray(cfg: RunConfig) -> None:
     """Start the embedded cluster or join `cluster.address`; errors say which setting to change."""
     if ray.is_initialized():
@@ -28,6 +35,7 @@ def start_ray(cfg: RunConfig) -> None:
            "VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.cpu_kvcache_gib)}
     if not cfg.cluster.use_gpus:
         env["DS_ACCELERATOR"] = "cpu"
+    env.update(driver_log_level())
     try:
         # `ray job submit` sets RAY_ADDRESS for the job's driver: join that cluster, never start a second one.
         address = cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
