@@ -208,6 +208,8 @@ class RunConfig(BaseModel):
         (protocols/device_defaults.py). First of the checks, so that they see the values the run uses."""
         set_fields = {f"{section}.{name}" for section in ("model", "rollout")
                       for name in getattr(self, section).model_fields_set}
+        if self.weight_sync.verify_tolerance is not None:
+            set_fields.add("weight_sync.verify_tolerance")
         for dotted, value in gpu_defaults(self.cluster.use_gpus, set_fields, self.model.dtype).items():
             section, name = dotted.split(".")
             setattr(getattr(self, section), name, value)
