@@ -49,7 +49,8 @@ def engine_args(cfg: RunConfig, worker_id: int, model_path: str) -> dict:
         # Off on every device: with it, step() returns step N while N+1 already runs, so after a weight load one
         # token per running sequence, sampled by the old weights, would be stamped with the new version. The
         # decode loop loads weights between steps and needs each step to have ended (vLLM's engine core: weight
-        # versions change only while generation is paused).
+        # versions change only while generation is paused). Off, and at pipeline_parallel_size 1, vLLM keeps one
+        # batch in flight (max_concurrent_batches in config/vllm.py): each step returns the tokens it sampled.
         "async_scheduling": False,
         "enforce_eager": r.enforce_eager,
         # salted per weight version (actors/prefix_cache.py): KV of older weights is never reused
