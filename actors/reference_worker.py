@@ -16,7 +16,7 @@ import time
 import torch
 
 from learner.batch_plan import MicroBatching, plan_one_shard
-from learner.rank_setup import attention_implementation
+from learner.rank_setup import attention_implementation, require_cuda
 from learner.shard_scoring import score_shard
 from learner.startup_heap import frozen_after_imports
 from protocols.config import RunConfig
@@ -50,7 +50,7 @@ class ReferenceWorker:
 
         self.cfg = cfg
         self.worker_index = worker_index
-        use_cuda = torch.cuda.is_available() and cfg.cluster.use_gpus
+        use_cuda = require_cuda(cfg.cluster.use_gpus, f"{self.role} worker {worker_index}")
         self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
         # model.dtype names a torch dtype ("float32", "bfloat16", "float16"), loaded as the learner loads it.
         dtype = getattr(torch, cfg.model.dtype)

@@ -18,14 +18,15 @@ import ray
 from actors import eval_generation
 from actors.agent_loop import AgentLoop
 from actors.decode_loop import DecodeLoop, SampleInFlight, finish_every_request
-from actors.lora_adapter import AdapterRequests, EngineAdapter, lora_engine_args
+from actors.engine_args import engine_args, engine_context, start_failure_hint
+from actors.lora_adapter import AdapterRequests, EngineAdapter
 from actors.prefix_cache import SaltedRequests, cache_salt
 from actors.score_router import ScoreRouter
-from actors.vllm_weights import (check_vllm_interfaces, load_checkpoint_weights, load_object_refs,
-                                 tensor_parallel_engine_args, weight_loader_engine_args)
+from actors.vllm_weights import check_vllm_interfaces, load_checkpoint_weights, load_object_refs
 from actors.weight_probe_requests import ProbingEngine
 from actors.worker_policy import PolicySettings, WorkerPolicy
 from gateway.sessions import SESSION_GROUP_PREFIX
+from learner.rank_setup import require_cuda
 from learner.startup_heap import frozen_after_imports
 from protocols.config import RunConfig
 from protocols.trajectory import Prompt
@@ -45,15 +46,6 @@ def configure_vllm_env(cfg: RunConfig) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def cpu_step_budget(cfg: RunConfig, max_len: int, on_gpu: bool) -> dict:
-    """On CPU, a step budget that never splits a prompt over two steps: vLLM's CPU sampler fails on a seeded
-    request whose prefill is chunked ("CPU Generator does not use offset"), which a burst of multi-turn
-    continuations (or long prompts) otherwise triggers. GPUs keep vLLM's own budget (it sizes activation memory)."""
-    if on_gpu:
-        return {}
-    return {"max_num_batched_tokens": max(cfg.rollout.max_num_seqs * max_len, 4096)}
-
-
 class RolloutWorker:
     def __init__(self, cfg: RunConfig, worker_id: int, model_path: str, controller=None,
                  reward_workers: list | None = None, critic_workers: list | None = None,
@@ -69,38 +61,15 @@ class RolloutWorker:
         self.policy = WorkerPolicy(PolicySettings.from_run(cfg), worker_id)
         """The control loop's state (actors/worker_policy.py), and the one owner of the version of the weights in
         this engine (`version`); a new one per `run()` carries that version over (`next_run`)."""
-        max_len = cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens
-        self.on_gpu = cfg.cluster.use_gpus
-        extra = tensor_parallel_engine_args(cfg.rollout.tensor_parallel_size, self.on_gpu)
+        max_len = engine_context(cfg)
+        # at tensor_parallel_size > 1 the GPUs are held by vLLM's Ray workers, not by this actor
+        self.on_gpu = require_cuda(cfg.cluster.use_gpus, f"rollout worker {worker_id}",
+                                   holds_gpu=cfg.rollout.tensor_parallel_size == 1)
         try:
-            self.llm = LLM(
-                model=model_path,
-                dtype=cfg.model.dtype,
-                seed=cfg.train.seed + 1000 * worker_id,
-                gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-                tensor_parallel_size=cfg.rollout.tensor_parallel_size,
-                max_model_len=max_len,
-                max_num_seqs=cfg.rollout.max_num_seqs,
-                **cpu_step_budget(cfg, max_len, self.on_gpu),
-                enforce_eager=cfg.rollout.enforce_eager,
-                # salted per weight version (actors/prefix_cache.py): KV of older weights is never reused
-                enable_prefix_caching=cfg.rollout.prefix_caching,
-                # Behavior log-probs of the distribution actually sampled (after temperature), as the ratio needs.
-                logprobs_mode="processed_logprobs",
-                trust_remote_code=cfg.model.trust_remote_code,
-                # model.lora: the engine serves the policy's adapter on the frozen base (actors/lora_adapter.py)
-                **lora_engine_args(cfg.model.lora),
-                **weight_loader_engine_args(),  # weights reach each TP worker directly (actors/vllm_weights.py)
-                **extra,
-            )
+            self.llm = LLM(**engine_args(cfg, worker_id, model_path))
         except (OSError, ValueError, RuntimeError) as err:
-            raise RuntimeError(
-                f"vLLM failed to start rollout worker {worker_id} on model.path={model_path!r}: {err}\n"
-                "If the path is wrong, fix model.path. If it ran out of memory, lower "
-                f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} or "
-                f"rollout.cpu_kvcache_gib={cfg.rollout.cpu_kvcache_gib}, or shorten data.max_prompt_tokens + "
-                f"rollout.max_response_tokens={max_len}."
-            ) from err
+            raise RuntimeError(f"vLLM failed to start rollout worker {worker_id} on model.path={model_path!r}: "
+                               f"{err}\n{start_failure_hint(cfg, str(err))}") from err
         self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
         self.adapter: EngineAdapter | None = None

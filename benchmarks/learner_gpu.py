@@ -272,7 +272,8 @@ def main() -> int:
                         lines.append(msg)
                         continue
                     cfg = load_config(None, [
-                        "cluster.use_gpus=true", f"model.dtype={dtype}", f"model.path={folder}",
+                        f"cluster.use_gpus={'true' if torch.cuda.is_available() else 'false'}",
+                        f"model.dtype={dtype}", f"model.path={folder}",
                         "algorithm.preset=dapo", "learner.zero_stage=2", f"learner.micro_batch_size={mb}",
                         f"learner.gradient_checkpointing={'true' if gc_on else 'false'}",
                         f"learner.prompts_per_step={args.samples_per_step // 8}", "rollout.samples_per_prompt=8",

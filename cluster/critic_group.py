@@ -20,7 +20,7 @@ from cluster import checkpoint
 from cluster.learner_failure import LearnerRankLost, dead_ranks
 from cluster.model_folder import check_same_vocabulary
 from cluster.rank_group import RankGroup
-from cluster.placement import Placement
+from cluster.placement import Placement, gpu_visibility
 from learner.batch_plan import MicroBatching, merge_rows, plan_batch
 from learner.value_loss import finalize_value_metrics
 from protocols.config import RunConfig
@@ -52,8 +52,9 @@ def critic_options(cfg: RunConfig, placement: Placement | None, index: int) -> d
     if placement is not None:
         return placement.options("critic", index)
     c = cfg.critic
-    return {"num_cpus": c.cpus, "num_gpus": 1 if cfg.cluster.use_gpus else 0,
-            **({"resources": dict(c.resources)} if c.resources else {})}
+    gpus = 1 if cfg.cluster.use_gpus else 0
+    return {"num_cpus": c.cpus, "num_gpus": gpus, **({"resources": dict(c.resources)} if c.resources else {}),
+            **gpu_visibility(gpus)}
 
 
 class CriticGroup:

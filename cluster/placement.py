@@ -24,6 +24,31 @@ STRATEGY = "PACK"
 one node talk over NVLink rather than the network. Each engine is one bundle, so its GPUs share a node."""
 
 
+HIDDEN_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
+"""The environment of an actor that holds no GPU. Ray 2.60 no longer blanks CUDA_VISIBLE_DEVICES for an actor with
+num_gpus=0 (ray/_private/accelerators/accelerator.py, ray-project/ray#54868), so without it such an actor sees
+every GPU of its node, and a stray CUDA context (pinned host memory, a library's torch.cuda call) lands on GPU 0
+beside an engine or a learner rank."""
+
+
+def gpu_visibility(num_gpus: float, tensor_parallel_engine: bool = False) -> dict:
+    """Ray options that hide the node's GPUs from an actor holding none. Not for a tensor-parallel engine's actor
+    on GPUs, which holds none itself: vLLM copies that actor's runtime_env into its Ray workers (EngineArgs'
+    ray_runtime_env) and has Ray leave their CUDA_VISIBLE_DEVICES alone (RayExecutorV2), so a blank there would
+    hide every GPU from the workers that hold them."""
+    if num_gpus > 0 or tensor_parallel_engine:
+        return {}
+    return {"runtime_env": {"env_vars": dict(HIDDEN_GPUS)}}
+
+
+def with_env(options: dict, env: dict[str, str]) -> dict:
+    """Ray `options` with `env` added to their runtime_env's env_vars (an actor's own runtime_env would otherwise
+    replace the one in `options`)."""
+    runtime_env = dict(options.get("runtime_env", {}))
+    runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **env}
+    return {**options, "runtime_env": runtime_env}
+
+
 class PlacementError(ValueError):
     """A plan the cluster can never hold, or a reservation that timed out; the message names the settings."""
 
@@ -391,7 +416,8 @@ class Placement:
 
         whole = self.plan.role(role).bundles[index]
         gpus = whole.get("GPU", 0.0)
-        if self.plan.role(role).split_gpus and gpus > 1:
+        tensor_parallel_engine = self.plan.role(role).split_gpus and gpus > 1
+        if tensor_parallel_engine:
             # vLLM's Ray executor starts one worker per GPU bundle of this group; the actor holding the engine
             # needs no GPU of its own.
             gpus = 0.0
@@ -399,7 +425,8 @@ class Placement:
         # The actor takes its bundle's CPUs and GPUs; the custom resources already pinned the bundle to its node.
         return {"num_cpus": whole.get("CPU", 0.0), "num_gpus": gpus,
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                    placement_group=group, placement_group_bundle_index=bundle)}
+                    placement_group=group, placement_group_bundle_index=bundle),
+                **gpu_visibility(gpus, tensor_parallel_engine)}
 
     def bundle_nodes(self, role: str) -> list[str]:
         """Node id of each actor's bundle of `role`, as Ray placed them."""

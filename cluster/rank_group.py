@@ -10,7 +10,7 @@ import socket
 import ray
 
 from cluster.learner_failure import gather_ranks
-from cluster.placement import Placement
+from cluster.placement import Placement, with_env
 from learner.batch_plan import BatchPlan
 from protocols.config import RunConfig
 from protocols.training_batch import TrainingBatch
@@ -42,7 +42,7 @@ class RankGroup:
         self.role = role
         self.cfg = cfg
         self.placement = placement
-        self.ranks = [ray.remote(actor_class).options(**opts, runtime_env={"env_vars": RANK_ENV})
+        self.ranks = [ray.remote(actor_class).options(**with_env(opts, RANK_ENV))
                       .remote(cfg, r, len(options), model_path) for r, opts in enumerate(options)]
         self._join_args = (setup_args, start_timeout_s, timeout_setting)
         if join:

@@ -9,7 +9,7 @@ import os
 
 import ray
 
-from cluster.placement import Placement
+from cluster.placement import Placement, gpu_visibility
 from protocols.config import RunConfig
 from protocols.trajectory import TOKEN_SCORERS
 
@@ -66,8 +66,9 @@ def _legacy_options(cfg: RunConfig, role: str) -> dict:
         cpus = {"rollout": c.rollout_cpus, "learner": c.learner_cpus, "reward": c.reward_cpus}[role]
         gpus = {"rollout": cfg.rollout.tensor_parallel_size, "learner": 1, "reward": 0}[role]
         resources = {"rollout": c.rollout_resources, "learner": c.learner_resources, "reward": c.reward_resources}[role]
-    return {"num_cpus": cpus, "num_gpus": gpus if c.use_gpus else 0,
-            **({"resources": dict(resources)} if resources else {})}
+    gpus = gpus if c.use_gpus else 0
+    return {"num_cpus": cpus, "num_gpus": gpus, **({"resources": dict(resources)} if resources else {}),
+            **gpu_visibility(gpus)}
 
 
 def rollout_options(cfg: RunConfig, placement: Placement | None = None, index: int = 0) -> dict:

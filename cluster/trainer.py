@@ -21,7 +21,7 @@ from cluster.evaluation import evaluate, evaluate_sets, load_eval_sets
 from cluster.gateway_endpoints import write_endpoints
 from cluster.learner_group import LearnerGroup
 from cluster.model_folder import fit_lengths_to_model, resolve_model_path
-from cluster.placement import create_placement, precheck_embedded
+from cluster.placement import create_placement, gpu_visibility, precheck_embedded
 from cluster.pools import check_roles, start_pools
 from cluster.ray_setup import start_ray
 from cluster.run_folder import RunFolder
@@ -103,7 +103,7 @@ class Trainer:
         self.placement = create_placement(cfg)
         # every rollout worker keeps one long poll (`watch`) open, so the actor serves more calls than workers
         self.controller = ray.remote(ControllerActor).options(
-            num_cpus=0, max_concurrency=max(1000, 2 * cfg.rollout.num_workers + 64)).remote(
+            num_cpus=0, max_concurrency=max(1000, 2 * cfg.rollout.num_workers + 64), **gpu_visibility(0)).remote(
             self.train_prompts, cfg.learner.prompts_per_step, cfg.train.max_staleness,
             cfg.algorithm.dynamic_sampling, cfg.train.seed, cfg.rollout.num_workers,
             length_aware=cfg.rollout.length_aware_dispatch, from_data=not cfg.gateway.outside_only)

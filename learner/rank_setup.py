@@ -22,6 +22,52 @@ def read_probe(path: str) -> tuple[str, str | None]:
         return socket.gethostname(), None
 
 
+NVIDIA_DRIVER_FILE = "/proc/driver/nvidia/version"
+"""Where a loaded NVIDIA kernel driver states its version (Linux)."""
+
+
+def nvidia_driver() -> str:
+    """The NVIDIA kernel driver's version line, or a sentence saying that none is loaded."""
+    try:
+        with open(NVIDIA_DRIVER_FILE) as f:
+            return f.readline().strip()
+    except OSError:
+        return f"no NVIDIA kernel driver loaded ({NVIDIA_DRIVER_FILE} is missing)"
+
+
+def cuda_missing_message(role: str, reason: str, torch_version: str, cuda_build: str | None, driver: str,
+                         visible_devices: str | None) -> str:
+    """Why a GPU role refuses to start without CUDA, and what to check (pure: the caller reads the machine)."""
+    build = f"built for CUDA {cuda_build}" if cuda_build else "a CPU-only build (torch.version.cuda is None)"
+    visible = "unset" if visible_devices is None else repr(visible_devices)
+    return (f"cluster.use_gpus=true, but {role} cannot use CUDA: {reason}. "
+            f"torch {torch_version} is {build}; driver: {driver}; CUDA_VISIBLE_DEVICES={visible}. "
+            "Fix: on this node, `nvidia-smi` must list the GPUs (the pinned CUDA 13 wheels need driver 580 or "
+            "newer), torch.version.cuda must name a CUDA version (install the GPU extra, not the CPU one), and "
+            "Ray must have given this actor its GPU; or set cluster.use_gpus=false to run every role on CPU")
+
+
+def require_cuda(use_gpus: bool, role: str, cuda_available: bool | None = None, holds_gpu: bool = True) -> bool:
+    """Whether `role` computes on CUDA: with cluster.use_gpus it must (RuntimeError naming torch's CUDA build,
+    the driver and the fix, never a silent fall back to CPU); without, it never does. `cuda_available` defaults
+    to torch.cuda.is_available() for an actor that holds its GPU; an actor that holds none itself (a
+    tensor-parallel engine's, whose vLLM workers hold them) needs a CUDA build of torch and a loaded driver."""
+    if not use_gpus:
+        return False
+    if cuda_available is None:
+        if holds_gpu:
+            cuda_available, reason = torch.cuda.is_available(), "torch.cuda.is_available() is False"
+        else:
+            cuda_available = torch.version.cuda is not None and os.path.exists(NVIDIA_DRIVER_FILE)
+            reason = "its engine's workers need a CUDA build of torch and a loaded NVIDIA driver"
+    else:
+        reason = "torch.cuda.is_available() is False"
+    if not cuda_available:
+        raise RuntimeError(cuda_missing_message(role, reason, torch.__version__, torch.version.cuda,
+                                                nvidia_driver(), os.environ.get("CUDA_VISIBLE_DEVICES")))
+    return True
+
+
 class DeepSpeedRank:
     """The preamble the policy's ranks (learner/learner_actor.py) and the critic's (learner/critic_rank.py)
     share: the rank's place in its group, its device, and joining the group's process group."""
@@ -31,7 +77,7 @@ class DeepSpeedRank:
         self.rank = rank
         self.world_size = world_size
         self.model_path = model_path
-        self.use_cuda = torch.cuda.is_available() and cfg.cluster.use_gpus
+        self.use_cuda = require_cuda(cfg.cluster.use_gpus, f"{type(self).__name__} {rank}")
         if not self.use_cuda:
             os.environ["DS_ACCELERATOR"] = "cpu"
         self.engine = None

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from protocols.algorithm import DEFAULT_PRESET, AlgorithmConfig
 from protocols.cluster_config import ClusterConfig
 from protocols.data import DataConfig
+from protocols.device_defaults import gpu_defaults
 from protocols.gateway import GatewayConfig
 from protocols.learner_config import LearnerConfig
 from protocols.model import ModelConfig
@@ -200,6 +201,19 @@ class RunConfig(BaseModel):
             # `weight_sync.bucket_mb=64` alone tunes the default backend.
             data = {**data, "weight_sync": {"type": "object_store", **data["weight_sync"]}}
         return data
+
+    @model_validator(mode="after")
+    def _device_defaults(self) -> "RunConfig":
+        """cluster.use_gpus: each device-dependent setting the user left unset takes its GPU value
+        (protocols/device_defaults.py). First of the checks, so that they see the values the run uses."""
+        set_fields = {f"{section}.{name}" for section in ("model", "rollout")
+                      for name in getattr(self, section).model_fields_set}
+        if self.weight_sync.verify_tolerance is not None:
+            set_fields.add("weight_sync.verify_tolerance")
+        for dotted, value in gpu_defaults(self.cluster.use_gpus, set_fields, self.model.dtype).items():
+            section, name = dotted.split(".")
+            setattr(getattr(self, section), name, value)
+        return self
 
     def _check_mini_batches(self, samples: int, groups: int, what: str) -> None:
         """Each mini-batch is split over the data-parallel groups like a whole batch (learner/update_plan.py)."""

@@ -83,7 +83,8 @@ class ModelConfig(BaseModel):
     described by `demo` (cached under $RELAYRL_CACHE_DIR, default ~/.cache/relayrl/demo_models)."""
 
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Weight dtype in the rollout engine and the learner. float32 on CPU; bfloat16 on GPUs."""
+    """Weight dtype in the rollout engine and the learner. Unset, float32 on CPU and bfloat16 with
+    cluster.use_gpus (protocols/device_defaults.py); float32 on a GPU is allowed (exact, slower)."""
 
     demo: DemoModelConfig = Field(default_factory=DemoModelConfig)
     """Settings of the built-in demo model; ignored when `path` is set."""

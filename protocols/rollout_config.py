@@ -30,7 +30,11 @@ class RolloutConfig(BaseModel):
     """GPUs per vLLM engine (tensor parallel). Ignored on CPU."""
 
     gpu_memory_utilization: float = Field(0.1, gt=0, le=0.99)
-    """Share of device memory vLLM reserves. On CPU it reserves host RAM: keep it small (0.1)."""
+    """Share of device memory vLLM reserves for the weights, activations, CUDA graphs and KV cache. On CPU it
+    reserves host RAM: keep it small (0.1, the default there; the KV cache is cpu_kvcache_gib). Unset with
+    cluster.use_gpus: 0.85 (protocols/device_defaults.py). On a GPU vLLM refuses to start when the share cannot
+    hold the weights and one max-length sequence's KV cache (raise it), or when another process holds more than
+    the rest of the GPU (lower it)."""
 
     cpu_kvcache_gib: int = Field(1, ge=1)
     """KV cache size on CPU in GiB (VLLM_CPU_KVCACHE_SPACE)."""
@@ -80,4 +84,6 @@ class RolloutConfig(BaseModel):
     weights and the stop flag arrive through a long poll, independent of this."""
 
     enforce_eager: bool = True
-    """Skip CUDA graph capture / compilation (faster start; slower decode on GPUs)."""
+    """Skip CUDA graph capture / compilation (faster start; slower decode on GPUs). True on CPU, which has no CUDA
+    graphs; unset with cluster.use_gpus: False (protocols/device_defaults.py). In-place weight loads keep captured
+    graphs valid (they copy into the same storage)."""

@@ -22,10 +22,11 @@ class SyncCheck(BaseModel):
     not checked for it; `weights/verify_checks` counts the checks made."""
 
     verify_tolerance: float | None = Field(None, gt=0, le=100)
-    """Largest |engine - learner| log-prob allowed on a probe token, in nats. None picks by model.dtype.
+    """Largest |engine - learner| log-prob allowed on a probe token, in nats. None picks by model.dtype; with
+    cluster.use_gpus and a 16-bit dtype the config fills in 2.0 at load (protocols/device_defaults.py says why).
     float32: 1e-3. tests/test_weight_sync.py measured 4e-7 to 1e-6 between vLLM's CPU engine and the DeepSpeed
     learner after a whole load, and 1.4 after a load that left out one MLP matrix one AdamW step (lr 1e-2) old;
-    1e-3 leaves room for GPU kernels. bfloat16 and float16: 0.5. The same setup run once in bf16 on CPU measured
+    1e-3 leaves room for GPU kernels. bfloat16 and float16 on CPU: 0.5. The same setup run once in bf16 on CPU measured
     0.004 to 0.054 after whole loads and 1.42 for the load missing a tensor (bf16 keeps 8 bits of mantissa, and
     vLLM's kernels round differently from the learner's in every layer); not measured on a GPU
     (docs/weight_sync.md). Read a run's weights/verify_max_gap and set it a few times above that to catch smaller

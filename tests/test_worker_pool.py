@@ -204,7 +204,8 @@ def test_a_token_scorer_named_once_is_placed_resourced_counted_and_carried_to_th
         assert pool.actor.model_folder(cfg, "/models/policy") == ("/models/teacher" if role == "teacher"
                                                                   else "/models/policy")
         assert plan_placement(cfg).role(role).bundles == [{"CPU": 3.0, "judge_node": 1.0}] * 2
-        assert _legacy_options(cfg, role) == {"num_cpus": 3.0, "num_gpus": 0, "resources": {"judge_node": 1.0}}
+        assert _legacy_options(cfg, role) == {"num_cpus": 3.0, "num_gpus": 0, "resources": {"judge_node": 1.0},
+                                              "runtime_env": {"env_vars": {"CUDA_VISIBLE_DEVICES": ""}}}
         assert f"{role}_worker/" in SECTIONS
         counted = pool.counter_metrics([
             {"groups": 2, "samples": 8, "tokens": 300, "micro_batches": 2, "seconds": 1.5},
