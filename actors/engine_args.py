@@ -61,8 +61,7 @@ def engine_args(cfg: RunConfig, worker_id: int, model_path: str) -> dict:
         # model.lora: the engine serves the policy's adapter on the frozen base (actors/lora_adapter.py)
         **lora_engine_args(cfg.model.lora),
         **weight_loader_engine_args(),  # weights reach each TP worker directly (actors/vllm_weights.py)
-        # one process: weight loads and the collective receiver reach the worker in this actor
-        **(tensor_parallel_engine_args(r.tensor_parallel_size, on_gpu) or {"distributed_executor_backend": "uni"}),
+        **tensor_parallel_engine_args(r.tensor_parallel_size, on_gpu),
     }
 
 

@@ -134,14 +134,15 @@ def _load(llm, message: dict) -> list[dict]:
 
 
 def tensor_parallel_engine_args(tensor_parallel_size: int, on_gpu: bool) -> dict:
-    """Extra `LLM(...)` arguments (and environment) for a tensor-parallel engine.
+    """The `LLM(...)` executor (and environment) for an engine of `tensor_parallel_size` ranks.
 
     On CPU, ranks are processes started by vLLM's `mp` executor, each pinned to its own cores: vLLM refuses to
     pick cores itself on a single NUMA node ("Not enough allowed NUMA nodes to bind threads of 2 local
     CPUWorkers"), so the cores this process may use are split evenly among the ranks.
     """
     if tensor_parallel_size == 1:
-        return {}
+        # one process: weight loads and the collective receiver reach the worker in this actor
+        return {"distributed_executor_backend": "uni"}
     if on_gpu:
         # The engine's placement group holds one single-GPU bundle per rank (cluster/placement.py) and the actor
         # itself holds none; vLLM's Ray executor starts one worker in each bundle of the actor's group.

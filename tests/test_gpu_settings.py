@@ -37,7 +37,8 @@ def test_engine_args_name_every_setting_relayrl_relies_on():
                    "tensor_parallel_size": 1, "max_model_len": 272, "max_num_seqs": 256,
                    "max_num_batched_tokens": 69632, "async_scheduling": False,
                    "enforce_eager": True, "enable_prefix_caching": True, "logprobs_mode": "processed_logprobs",
-                   "trust_remote_code": False, "distributed_executor_backend": "uni"}
+                   "trust_remote_code": False, "distributed_executor_backend": "uni",
+                   "worker_extension_cls": "actors.vllm_worker_extension.WeightLoader"}
     gpu = engine_args(load_config(None, GPU), 0, "/models/m")
     # GPUs keep vLLM's step budget; bf16, 0.85 and CUDA graphs are the GPU defaults
     assert "max_num_batched_tokens" not in gpu

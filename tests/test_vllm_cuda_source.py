@@ -49,8 +49,6 @@ def test_engine_keywords_are_read_through_the_helpers_that_build_them(cuda_sourc
     assert "max_num_batched_tokens" in keywords  # cpu_step_budget
 
 
-@pytest.mark.xfail(strict=True, reason="LLM(async_scheduling=False) lands with issue 46's engine-settings change; "
-                                       "remove this mark then (strict: a pass fails until it is removed)")
 def test_no_engine_setting_is_left_to_a_platform_default(cuda_source):
     assert platform_defaults_left_unset(check_vllm_source(cuda_source)) == []
 
