@@ -64,7 +64,7 @@ class CallRecord:
     finish_reason: Literal["stop", "length"]
     delivered: bool = True
     """Whether the reply reached a client. One that reached none (the client left or timed out) trains only if a
-    later call extends it; a retry of the same request is answered with it (gateway/server.py)."""
+    later call extends it; a retry of the same request is answered with it (gateway/calls.py)."""
     client: dict = field(default_factory=dict)
     """The request's own fields kept with the call (metadata, user, safety_identifier)."""
 

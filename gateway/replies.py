@@ -1,6 +1,6 @@
 """The session endpoint's replies in OpenAI's shapes: chat.completion and text_completion bodies, their streamed
 chunks, log-probs in each route's format, and the part of a reply's text a stream may send so far. Pure: the
-engine's ids and log-probs in, JSON-ready dicts out (gateway/server.py sends them)."""
+engine's ids and log-probs in, JSON-ready dicts out (gateway/calls.py sends them)."""
 
 import json
 from dataclasses import dataclass

@@ -40,14 +40,16 @@ KEEP_FINISHED_S = 600.0
 """A finished session is remembered this long (a late call or reward is answered 410, not 404), then forgotten."""
 COUNTER_NAMES = ("sessions", "sessions_rewarded", "sessions_no_reward", "sessions_lost", "calls", "calls_refused",
                  "calls_lost", "calls_undelivered", "calls_replayed", "calls_busy", "fields_refused",
-                 "tool_parse_failures", "clamped_max_tokens", "samples", "retries", "retry_orphans", "staleness_cuts", "groups_opened", "groups", "groups_wrong_size",
-                 "groups_untrained", "groups_incomplete", *(f"splits_{r}" for r in SPLIT_REASONS))
+                 "tool_parse_failures", "clamped_max_tokens", "samples", "retries", "retry_orphans", "staleness_cuts",
+                 "groups_opened", "groups", "groups_wrong_size", "groups_untrained", "groups_incomplete",
+                 *(f"splits_{r}" for r in SPLIT_REASONS))
 """`counts` keys, all present from the start: sessions opened, trained, finished without reward, lost; calls
 served, refused (429), lost (the engine aborted them); calls whose reply reached no client and nothing extended
 (dropped from training), retries answered with such a reply, calls refused 409 while another of the session ran;
 requests refused for a field (gateway/request_fields.py); replies whose tool calls did not parse; requests whose
-max_tokens was lowered; samples and groups handed to training; retried calls and the orphans dropped; calls cut from samples as too stale; groups opened, handed to training, and dropped for their
-number of samples, for having no rewarded session, or for not filling in time; new segments by reason."""
+max_tokens was lowered; samples handed to training; retried calls and the orphans dropped; calls cut from samples
+as too stale; groups opened, handed to training, and dropped for their number of samples, for having no rewarded
+session, or for not filling in time; new segments by reason."""
 
 
 def finite(number: int | float) -> bool:
@@ -85,7 +87,7 @@ class Session:
     calls_in_flight: int = 0
     finished_at: float = 0.0
     attempt: Any = None
-    """The session's latest request in the engine (gateway/server.py `Attempt`): a session's calls are one
+    """The session's latest request in the engine (gateway/calls.py `Attempt`): a session's calls are one
     sequence, and a retry of this request is answered with its reply."""
 
 
@@ -282,7 +284,7 @@ class SessionBook:
         return True, None
 
     def lose_call(self, session: Session) -> None:
-        """A call that did not reach its client (engine abort, disconnect): the session is not trained."""
+        """A call the engine aborted: its episode is incomplete, so the session is not trained."""
         session.lost = True
         self.counts["calls_lost"] += 1
 

@@ -269,7 +269,18 @@ def test_fields_that_would_change_the_sampled_distribution_are_refused_by_name(e
         with pytest.raises(openai.BadRequestError) as refused:
             client.chat.completions.create(**ask, **extra)
         assert refused.value.param == param and param in refused.value.message
+    with pytest.raises(openai.BadRequestError) as refused:  # an image would be dropped from the prompt: refused
+        client.chat.completions.create(model="any", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}])
+    assert refused.value.param == "messages[0].content" and "image_url" in refused.value.message
     assert book_calls(worker, s) == 0  # nothing reached the engine
+    other = new_session(worker.gateway.url)  # OpenAI's `developer` role: the template's system turn
+    openai.OpenAI(base_url=other["base_url"], api_key=other["api_key"], max_retries=0).chat.completions.create(
+        model="any", max_tokens=2, messages=[{"role": "developer", "content": "Be brief."},
+                                             {"role": "user", "content": "hi"}])
+    (call,) = worker.gateway.book.sessions[other["session_id"]].episode.calls
+    assert worker.gateway.book.renderer.tokenizer.decode(call.plan.prompt_ids).startswith(
+        "<|im_start|>system\nBe brief.")
     assert client.models.retrieve("relayrl").id == "relayrl"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4o")
