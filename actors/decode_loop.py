@@ -177,6 +177,9 @@ class DecodeLoop:
         """group id -> sampling parameters of each single call in flight (`start_call`)."""
         self.finished_calls: list[TrajectoryGroup] = []
         """Single calls that ended, for their caller to take (gateway/engine_bridge.py)."""
+        self.call_logprobs: dict[str, list[dict[int, tuple[float, int]]]] = {}
+        """call id -> per sampled token, id -> (log-prob, rank) of the sampled token and the alternatives, for an
+        ended call whose parameters asked for alternatives (`logprobs` > 0); its caller takes them."""
         self.on_call_tokens: Callable[[str, list[int]], None] | None = None
         """Called after each engine step with (call id, every id the call sampled so far: the engine's own list,
         to copy before keeping) for each single call that has not ended: what a streamed reply sends as it is
@@ -266,7 +269,12 @@ class DecodeLoop:
         sample.response_token_ids.extend(completion.token_ids)
         # vLLM may drop tokens streamed past a stop string in the step that completed it: versions follow the ids
         del sample.token_versions[len(sample.response_token_ids):]
-        sample.behavior_logprobs.extend(next(iter(d.values())).logprob for d in completion.logprobs)
+        # by the sampled id: with alternatives asked for (an endpoint call's top_logprobs) each position holds several
+        sample.behavior_logprobs.extend(d[t].logprob for d, t in zip(completion.logprobs, completion.token_ids))
+        params = self.calls.get(sample.group_id)
+        if params is not None and getattr(params, "logprobs", 0):
+            self.call_logprobs[sample.group_id] = [{t: (lp.logprob, lp.rank) for t, lp in d.items()}
+                                                   for d in completion.logprobs]
         sample.response_text += completion.text
         sample.requests_ended += 1
         decision = FINISHED if sample.group_id in self.calls else self.on_request_end(sample, out)

@@ -188,13 +188,17 @@ class RolloutWorker:
         return SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p, max_tokens=max_tokens, logprobs=0,
                               seed=zlib.crc32(key.encode()) & 0x7FFFFFFF, **eval_generation.tool_stops(self.cfg.tools))
 
-    def _call_params(self, max_tokens: int):
+    def _call_params(self, max_tokens: int, options=None):
         """Sampling parameters of an endpoint call: the run's temperature and top_p (the learner's log-probs assume
-        them), no seed (a client's retry samples afresh)."""
+        them), and the request's stop strings, seed and number of alternative log-probs (`options`, a
+        gateway/request_fields.py CallOptions; without a seed a client's retry samples afresh)."""
         from vllm import SamplingParams
 
         r = self.cfg.rollout
-        return SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p, max_tokens=max_tokens, logprobs=0)
+        return SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p, max_tokens=max_tokens,
+                              logprobs=(options.top_logprobs or 0) if options else 0,
+                              stop=list(options.stop) if options and options.stop else None,
+                              seed=options.seed if options else None)
 
     def _take_sessions(self) -> None:
         """Groups of finished sessions go to the controller as scored groups: the client gave their reward. With

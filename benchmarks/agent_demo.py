@@ -67,7 +67,7 @@ def score(folder: str, config: str, temperature: float, concurrency: int) -> dic
     if temperature != cfg.rollout.temperature:
         from vllm import SamplingParams
 
-        worker.gateway.inbox.make_params = lambda max_tokens: SamplingParams(
+        worker.gateway.inbox.make_params = lambda max_tokens, options: SamplingParams(
             n=1, temperature=temperature, max_tokens=max_tokens, logprobs=0)
     engine = EngineThread(worker.decoding, worker.gateway.inbox).start()
     start = time.perf_counter()

@@ -18,10 +18,12 @@ never enter the delta."""
 
 
 def openai_to_template(message: Mapping[str, Any]) -> dict[str, Any]:
-    """An OpenAI chat message as chat templates read it: content parts joined into text, None content as "", and
-    tool-call arguments (a JSON string in OpenAI's format) as the object templates serialize (as vLLM passes
-    them); arguments that are not JSON stay text."""
+    """An OpenAI chat message as chat templates read it: content parts joined into text, None content as "", the
+    `developer` role as `system`, and tool-call arguments (a JSON string in OpenAI's format) as the object
+    templates serialize (as vLLM passes them); arguments that are not JSON stay text."""
     out = {k: v for k, v in message.items() if v is not None}
+    if out.get("role") == "developer":  # OpenAI's newer name for system instructions; templates know only system
+        out["role"] = "system"
     out["content"] = content_text(message.get("content"))
     calls = []
     for call in message.get("tool_calls") or []:

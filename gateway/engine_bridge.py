@@ -31,18 +31,23 @@ class CallResult:
     behavior_logprobs: list[float]
     token_versions: list[int]
     finish_reason: str
-    """`stop` (EOS or a stop token) or `length` (max_tokens)."""
+    """`stop` (EOS, a stop token or a stop string) or `length` (max_tokens)."""
+    top_logprobs: list[dict[int, tuple[float, int]]] | None = None
+    """With the request's `top_logprobs` set: per sampled token, token id -> (processed log-prob, rank) of the
+    sampled token and the engine's likeliest alternatives (actors/decode_loop.py `call_logprobs`)."""
 
     @classmethod
-    def of(cls, t: Trajectory) -> "CallResult":
-        return cls(list(t.response_token_ids), list(t.behavior_logprobs), list(t.token_versions), t.finish_reason)
+    def of(cls, t: Trajectory, top_logprobs: list | None = None) -> "CallResult":
+        return cls(list(t.response_token_ids), list(t.behavior_logprobs), list(t.token_versions), t.finish_reason,
+                   top_logprobs)
 
 
 class CallInbox:
-    """Calls on their way into a decode loop and back. `make_params(max_tokens)` builds the engine's sampling
-    parameters (the run's temperature and top_p; no seed, so a retried call samples afresh)."""
+    """Calls on their way into a decode loop and back. `make_params(max_tokens, options)` builds the engine's
+    sampling parameters: the run's temperature and top_p, and the request's stop strings, seed and log-probs
+    (`options`, gateway/request_fields.py `CallOptions`; None: none of them)."""
 
-    def __init__(self, make_params: Callable[[int], Any]) -> None:
+    def __init__(self, make_params: Callable[[int, Any], Any]) -> None:
         self.make_params = make_params
         self._new: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: dict[str, Future] = {}
@@ -52,7 +57,7 @@ class CallInbox:
         self._lock = threading.Lock()
 
     def submit(self, prompt_ids: list[int], max_tokens: int,
-               on_tokens: Callable[[list[int]], None] | None = None) -> Future:
+               on_tokens: Callable[[list[int]], None] | None = None, options: Any = None) -> Future:
         """A future of the call's CallResult (or CallAborted); thread-safe. `on_tokens`, if given, is called from
         the decode loop's thread after each engine step that sampled for the call, with every id sampled so far
         (not after the last: the result has them); it must not block."""
@@ -62,7 +67,7 @@ class CallInbox:
         future: Future = Future()
         if on_tokens is not None:
             self._listeners[call_id] = on_tokens
-        self._new.put((call_id, list(prompt_ids), max_tokens, future))
+        self._new.put((call_id, list(prompt_ids), max_tokens, options, future))
         return future
 
     def _heard(self, call_id: str, ids: list[int]) -> None:
@@ -83,27 +88,28 @@ class CallInbox:
             self._listeners.pop(group.group_id, None)
             future = self._pending.pop(group.group_id, None)
             if future is not None:
-                future.set_result(CallResult.of(group.trajectories[0]))
+                top = getattr(decoding, "call_logprobs", {}).pop(group.group_id, None)
+                future.set_result(CallResult.of(group.trajectories[0], top))
         decoding.finished_calls.clear()
         for call_id in [c for c in self._pending if c not in decoding.calls]:
             self._listeners.pop(call_id, None)
             self._pending.pop(call_id).set_exception(CallAborted(f"{call_id} was aborted by its engine"))
         while start_new:
             try:
-                call_id, prompt_ids, max_tokens, future = self._new.get_nowait()
+                call_id, prompt_ids, max_tokens, options, future = self._new.get_nowait()
             except queue.Empty:
                 break
             if future.cancelled():
                 self._listeners.pop(call_id, None)
                 continue
             self._pending[call_id] = future
-            decoding.start_call(call_id, prompt_ids, self.make_params(max_tokens))
+            decoding.start_call(call_id, prompt_ids, self.make_params(max_tokens, options))
 
     def fail_all(self, reason: str) -> None:
         """Every call not yet ended fails (the worker stops serving)."""
         while True:
             try:
-                _, _, _, future = self._new.get_nowait()
+                *_, future = self._new.get_nowait()
             except queue.Empty:
                 break
             future.set_exception(CallAborted(reason))

@@ -62,6 +62,11 @@ class CallRecord:
     behavior_logprobs: list[float]
     token_versions: list[int]
     finish_reason: Literal["stop", "length"]
+    delivered: bool = True
+    """Whether the reply reached a client. One that reached none (the client left or timed out) trains only if a
+    later call extends it; a retry of the same request is answered with it (gateway/calls.py)."""
+    client: dict = field(default_factory=dict)
+    """The request's own fields kept with the call (metadata, user, safety_identifier)."""
 
     @property
     def ids(self) -> list[int]:
@@ -150,13 +155,15 @@ class Episode:
 
     def record(self, call: ChatCall, plan: PromptPlan, reply: dict, sampled_ids: list[int],
                behavior_logprobs: list[float], token_versions: list[int],
-               finish_reason: Literal["stop", "length"]) -> CallRecord:
-        """Add a served call: `plan` as `plan(call)` returned it, and what the engine sampled on its prompt."""
+               finish_reason: Literal["stop", "length"], delivered: bool = True,
+               client: dict | None = None) -> CallRecord:
+        """Add a served call: `plan` as `plan(call)` returned it, and what the engine sampled on its prompt. One
+        request's `n` choices are `n` records of the same plan: siblings, each a leaf until a later call extends it."""
         if not len(sampled_ids) == len(behavior_logprobs) == len(token_versions):
             raise ValueError(f"call {len(self.calls)}: {len(sampled_ids)} sampled ids, {len(behavior_logprobs)} "
                              f"log-probs and {len(token_versions)} versions; the engine gives one of each per token")
         record = CallRecord(len(self.calls), call, plan, dict(reply), list(sampled_ids), list(behavior_logprobs),
-                            list(token_versions), finish_reason)
+                            list(token_versions), finish_reason, delivered, dict(client or {}))
         self.calls.append(record)
         self._keys.append(_key(call))
         self.counts["calls"] += 1

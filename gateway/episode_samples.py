@@ -7,7 +7,8 @@ is that call's sampled ids, then for each later call the tokens the endpoint ins
 0, version -1, no loss) and that call's sampled ids. So an episode whose calls extend each other is ONE sample;
 a split gives one sample per segment, sharing the reward; where two leaves share calls (a branch), the shared
 calls train in the first leaf only and are prompt in the second. A retried call that nothing extended (the client
-never used its reply) is an orphan: dropped and counted, so a retry never trains twice.
+never used its reply) is an orphan: dropped and counted, so a retry never trains twice; so is a call whose reply
+reached no client (it left or timed out) and that nothing extended.
 
 An episode that ran over several weight versions may start with calls too stale to train (`min_version`: the
 oldest version train.max_staleness still admits): the sample is cut at a call boundary, so its first trained call
@@ -22,17 +23,20 @@ from protocols.trajectory import ContextSpan, Prompt, Trajectory, VerifierResult
 
 
 def orphans(calls: list[CallRecord]) -> set[int]:
-    """Calls retried by a later call (or a sibling retry that was extended) whose own reply nothing extended."""
+    """Calls retried by a later call (or a sibling retry that was extended) whose own reply nothing extended, and
+    calls whose reply reached no client (undelivered) that nothing extended: the client never acted on them."""
     children = {c.plan.parent for c in calls if c.plan.parent is not None}
     slots: dict[int, list[int]] = {}
     for c in calls:
         slots.setdefault(c.index if c.plan.retry_of is None else c.plan.retry_of, []).append(c.index)
-    out = set()
+    delivered = {c.index for c in calls if c.delivered}
+    out = {c.index for c in calls if c.index not in delivered and c.index not in children}
     for members in slots.values():
         if len(members) < 2:
             continue
         extended = [i for i in members if i in children]
-        keep = extended[-1] if extended else members[-1]
+        seen = [i for i in members if i in delivered]
+        keep = extended[-1] if extended else (seen or members)[-1]
         out |= {i for i in members if i != keep and i not in children}
     return out
 
@@ -42,9 +46,11 @@ def episode_samples(calls: list[CallRecord], episode_id: str, group_id: str, rew
                     tokenizer: Any = None, correct: bool = False,
                     min_version: int | None = None) -> tuple[list[Trajectory], Counter]:
     """The samples of an episode, in the order of their leaves, with `sample_index` from `first_index`, and the
-    counts: samples, retry_orphans, staleness_cuts. `tokenizer` (optional) decodes each sample's text for logs;
+    counts: samples, retry_orphans, calls_undelivered,
+    staleness_cuts. `tokenizer` (optional) decodes each sample's text for logs;
     `min_version` (optional) cuts each sample after its calls that sampled a token older than it."""
     dropped = orphans(calls)
+    undelivered = sum(1 for c in calls if c.index in dropped and not c.delivered)
     live = [c for c in calls if c.index not in dropped]
     by_index = {c.index: c for c in live}
     parents = {c.plan.parent for c in live}
@@ -68,7 +74,8 @@ def episode_samples(calls: list[CallRecord], episode_id: str, group_id: str, rew
         samples.append(_sample(path[first:], episode_id, group_id, first_index + len(samples), reward, info or {},
                                worker_id, tokenizer, correct))
         trained |= {c.index for c in path}
-    return samples, Counter({"samples": len(samples), "retry_orphans": len(dropped), "staleness_cuts": cuts})
+    return samples, Counter({"samples": len(samples), "retry_orphans": len(dropped) - undelivered,
+                             "calls_undelivered": undelivered, "staleness_cuts": cuts})
 
 
 def _sample(path: list[CallRecord], episode_id: str, group_id: str, index: int, reward: float,

@@ -12,6 +12,7 @@ from typing import Any, Callable
 from gateway.agent_runner import AgentRunner
 from gateway.chat_render import ChatRenderer
 from gateway.engine_bridge import CallInbox
+from gateway.request_fields import Sampling
 from gateway.server import GatewayServer, ServeSettings
 from gateway.sessions import SessionBook
 from gateway.verifiers_env import VerifiersAgent
@@ -20,7 +21,7 @@ from protocols.trajectory import TrajectoryGroup
 
 
 class GatewayService:
-    def __init__(self, cfg: RunConfig, tokenizer: Any, worker_id: int, make_params: Callable[[int], Any]) -> None:
+    def __init__(self, cfg: RunConfig, tokenizer: Any, worker_id: int, make_params: Callable[[int, Any], Any]) -> None:
         g = cfg.gateway
         folder = Path(cfg.output_dir) / "gateway"
         folder.mkdir(parents=True, exist_ok=True)
@@ -32,7 +33,8 @@ class GatewayService:
             model_name=g.model_name, max_tokens=g.max_tokens or cfg.rollout.max_response_tokens,
             max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens,
             max_calls_in_flight=g.max_calls_in_flight, retry_after_s=g.retry_after_s, tool_parser=g.tool_parser,
-            max_request_bytes=g.max_request_bytes)
+            max_request_bytes=g.max_request_bytes,
+            sampling=Sampling(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p))
         self.server = GatewayServer(self.book, self.inbox, settings, g.host, g.port + worker_id if g.port else 0)
         self.server.start()
         agent = VerifiersAgent(g.verifiers_env) if g.verifiers_env else g.agent

@@ -3,8 +3,10 @@ that go on to training. Runs in the server's event loop (gateway/server.py); the
 groups from `take_groups`, from its own thread.
 
 A session is trained once it has its reward (POST /sessions/{id}/reward, which also finishes it). A session that
-finishes without one (POST /finish, or its deadline) or that lost a call (an engine abort, a client that left
-mid-call) is not trained, and is counted. Sessions created with the same `group` key (the same task, sampled
+finishes without one (POST /finish, or its deadline) or that lost a call (the engine aborted it) is not trained,
+and is counted; the reply of every route that ends a session says which (`trained`, `reason`). A call whose
+client left keeps its session: its reply is kept for a retry of the same request, and trains only if the client
+got it. Sessions created with the same `group` key (the same task, sampled
 several times) form one group of `group_size` sessions, whose baseline compares them; sessions created without a
 key fill anonymous groups in arrival order. A group goes on once all its sessions have finished, if it holds
 exactly `train_group_size` samples (the learner's group size, rollout.samples_per_prompt); otherwise it is
@@ -37,14 +39,17 @@ SESSION_GROUP_PREFIX = "session-group/"
 KEEP_FINISHED_S = 600.0
 """A finished session is remembered this long (a late call or reward is answered 410, not 404), then forgotten."""
 COUNTER_NAMES = ("sessions", "sessions_rewarded", "sessions_no_reward", "sessions_lost", "calls", "calls_refused",
-                 "calls_lost", "tool_parse_failures", "clamped_max_tokens", "ignored_sampling", "samples",
-                 "retries", "retry_orphans", "staleness_cuts", "groups_opened", "groups", "groups_wrong_size",
-                 "groups_untrained", "groups_incomplete", *(f"splits_{r}" for r in SPLIT_REASONS))
+                 "calls_lost", "calls_undelivered", "calls_replayed", "calls_busy", "fields_refused",
+                 "tool_parse_failures", "clamped_max_tokens", "samples", "retries", "retry_orphans", "staleness_cuts",
+                 "groups_opened", "groups", "groups_wrong_size", "groups_untrained", "groups_incomplete",
+                 *(f"splits_{r}" for r in SPLIT_REASONS))
 """`counts` keys, all present from the start: sessions opened, trained, finished without reward, lost; calls
-served, refused (429), lost; replies whose tool calls did not parse; requests whose max_tokens was lowered or whose
-temperature/top_p/n/stop were overridden by the run's; samples and groups handed to training; retried calls and
-the orphans dropped; calls cut from samples as too stale; groups opened, handed to training, and dropped for their
-number of samples, for having no rewarded session, or for not filling in time; new segments by reason."""
+served, refused (429), lost (the engine aborted them); calls whose reply reached no client and nothing extended
+(dropped from training), retries answered with such a reply, calls refused 409 while another of the session ran;
+requests refused for a field (gateway/request_fields.py); replies whose tool calls did not parse; requests whose
+max_tokens was lowered; samples handed to training; retried calls and the orphans dropped; calls cut from samples
+as too stale; groups opened, handed to training, and dropped for their number of samples, for having no rewarded
+session, or for not filling in time; new segments by reason."""
 
 
 def finite(number: int | float) -> bool:
@@ -59,10 +64,12 @@ def finite(number: int | float) -> bool:
 class SessionError(Exception):
     """A request the session cannot take: `status` is the HTTP status to answer with."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.param = param
+        """The request field the error is about (OpenAI's `error.param`), if one."""
 
 
 @dataclass
@@ -79,6 +86,9 @@ class Session:
     lost: bool = False
     calls_in_flight: int = 0
     finished_at: float = 0.0
+    attempt: Any = None
+    """The session's latest request in the engine (gateway/calls.py `Attempt`): a session's calls are one
+    sequence, and a retry of this request is answered with its reply."""
 
 
 @dataclass
@@ -249,19 +259,32 @@ class SessionBook:
                   "split_reason": c.plan.split_reason, "messages": list(c.call.messages), "tools": c.call.tools,
                   "template_args": dict(c.call.template_args), "prompt_ids": c.plan.prompt_ids,
                   "sampled_ids": c.sampled_ids, "behavior_logprobs": c.behavior_logprobs,
-                  "token_versions": c.token_versions, "finish_reason": c.finish_reason, "reply": c.reply}
+                  "token_versions": c.token_versions, "finish_reason": c.finish_reason, "reply": c.reply,
+                  "delivered": c.delivered, **({"client": c.client} if c.client else {})}
                  for c in session.episode.calls]
         samples, counts = episode_samples(session.episode.calls, f"session/{session.session_id}",
                                           session.group.group_id, session.reward or 0.0,
                                           min_version=self.min_version() if self.min_version is not None else None)
         return {"session_id": session.session_id, "group_id": session.group.group_id, "reward": session.reward,
-                "info": session.info, "trained": session.reward is not None and not session.lost,
+                "info": session.info, "trained": self.outcome(session)[0],
                 "lost": session.lost, "counts": {**session.episode.counts, **counts}, "calls": calls,
                 "samples": [{"calls": t.prompt.metadata["calls"], "prompt_tokens": len(t.prompt.prompt_token_ids),
                              "loss_mask": [int(m) for m in t.loss_mask]} for t in samples]}
 
+    @staticmethod
+    def outcome(session: Session) -> tuple[bool, str | None]:
+        """(whether the session trains, why not): what the routes that end a session answer. Its group may still
+        be dropped as a whole once all its sessions finished (counted: groups_wrong_size, groups_incomplete)."""
+        if session.lost:
+            return False, "the engine aborted one of its calls (answered 503), so its episode is incomplete"
+        if session.reward is None:
+            return False, "it finished without a reward (POST /sessions/{id}/reward gives one)"
+        if not any(c.delivered for c in session.episode.calls):
+            return False, "no call's reply reached its client"
+        return True, None
+
     def lose_call(self, session: Session) -> None:
-        """A call that did not reach its client (engine abort, disconnect): the session is not trained."""
+        """A call the engine aborted: its episode is incomplete, so the session is not trained."""
         session.lost = True
         self.counts["calls_lost"] += 1
 
@@ -286,6 +309,7 @@ class SessionBook:
                 min_version=self.min_version() if self.min_version is not None else None)
             trajectories += samples
             self.counts["retry_orphans"] += counts["retry_orphans"]
+            self.counts["calls_undelivered"] += counts["calls_undelivered"]
             self.counts["staleness_cuts"] += counts["staleness_cuts"]
         if trajectories and len(trajectories) == self.train_group_size:
             self.counts["samples"] += len(trajectories)

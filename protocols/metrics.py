@@ -53,7 +53,8 @@ SECTIONS: dict[str, str] = {
                 "(rollout.prefix_caching, actors/prefix_cache.py)",
     "gateway/": "the session endpoint's counters (gateway.enabled), summed over the rollout workers since the run "
                 "started: sessions, sessions_rewarded, sessions_no_reward, sessions_lost, calls, calls_refused, "
-                "calls_lost, tool_parse_failures, retries, staleness_cuts, samples, groups_opened, groups (trained), "
+                "calls_lost, calls_undelivered, calls_replayed, calls_busy, fields_refused, clamped_max_tokens, "
+                "tool_parse_failures, retries, staleness_cuts, samples, groups_opened, groups (trained), "
                 "groups_wrong_size, groups_untrained, groups_incomplete, groups_open, open_sessions, "
                 "splits_<reason>, ...; "
                 "calls_per_session, samples_per_rewarded_session; with rollout.prefix_caching "

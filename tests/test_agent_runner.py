@@ -49,7 +49,7 @@ def start_runner(tmp_path, agent, timeout_s: float) -> tuple[AgentRunner, Sessio
                        train_group_size=2)
     settings = ServeSettings(model_name="relayrl", max_tokens=8, max_model_len=64, max_calls_in_flight=4,
                              retry_after_s=1)
-    server = GatewayServer(book, CallInbox(lambda max_tokens: None), settings).start()
+    server = GatewayServer(book, CallInbox(lambda max_tokens, options: None), settings).start()
     return AgentRunner(agent, server, book, group_size=2, timeout_s=timeout_s), book
 
 

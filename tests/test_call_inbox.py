@@ -20,7 +20,7 @@ class StartedCalls:
 
 
 def test_a_pump_starts_the_submitted_calls():
-    inbox, decoding = CallInbox(lambda max_tokens: {"max_tokens": max_tokens}), StartedCalls()
+    inbox, decoding = CallInbox(lambda max_tokens, options: {"max_tokens": max_tokens}), StartedCalls()
     inbox.submit([1, 2], 4)
     inbox.submit([3], 4)
     assert inbox.in_flight == 2 and not decoding.calls
@@ -30,7 +30,7 @@ def test_a_pump_starts_the_submitted_calls():
 
 
 def test_the_closing_pump_fails_the_aborted_calls_and_starts_none():
-    inbox, decoding = CallInbox(lambda max_tokens: None), StartedCalls()
+    inbox, decoding = CallInbox(lambda max_tokens, options: None), StartedCalls()
     aborted = inbox.submit([1], 4)
     inbox.pump(decoding)
     decoding.calls.clear()  # the run ends: DecodeLoop.abort forgets every call

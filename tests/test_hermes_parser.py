@@ -81,7 +81,7 @@ def test_a_call_no_response_can_carry_is_refused_as_unread_text():
 
 
 def test_a_stream_holds_back_what_may_start_a_tool_call_and_a_partial_character():
-    from gateway.server import _streamable
+    from gateway.replies import streamable as _streamable
 
     # with tools: text before a call goes; from `<tool_call>` on, or a tail that may begin it, waits
     assert _streamable("The answer <tool_call>{", True) == "The answer "
@@ -91,3 +91,5 @@ def test_a_stream_holds_back_what_may_start_a_tool_call_and_a_partial_character(
     # without tools every character goes, but a partial UTF-8 character (decoded as U+FFFD) waits for its bytes
     assert _streamable("The answer <tool_ca", False) == "The answer <tool_ca"
     assert _streamable("caf\ufffd", False) == "caf"
+    # a tail that may begin a stop string waits too: a stream never sends what the stop cuts
+    assert _streamable("Thought: x\nObs", False, ("Observation:",)) == "Thought: x\n"

@@ -67,7 +67,7 @@ def test_a_request_body_past_gateway_max_request_bytes_is_answered_413_and_the_e
                        train_group_size=1)
     settings = ServeSettings(model_name="relayrl", max_tokens=8, max_model_len=64, max_calls_in_flight=4,
                              retry_after_s=1, max_request_bytes=4096)
-    server = GatewayServer(book, CallInbox(lambda max_tokens: None), settings).start()
+    server = GatewayServer(book, CallInbox(lambda max_tokens, options: None), settings).start()
     try:
         big = b'{"group": "' + b"x" * 10_000 + b'"}'
         r = httpx.post(f"{server.url}/sessions", content=big)

@@ -122,7 +122,7 @@ def test_an_openai_sdk_episode_is_one_sample_of_exactly_the_engine_log(endpoint)
     logged = len(recording.log)
     messages = [{"role": "user", "content": "what is 12*3?"}]
     first = client.chat.completions.create(model="any", messages=messages, tools=TOOLS, max_tokens=8,
-                                           temperature=0.1)  # the run's temperature is used, and counted
+                                           temperature=1.0)  # the run's own temperature may be restated
     messages += [echo(first.choices[0].message), {"role": "tool", "tool_call_id": "c1", "content": "36"}]
     # the second call streamed: the SDK's chunks put back together
     content, calls = "", []
@@ -169,7 +169,7 @@ def test_an_openai_sdk_episode_is_one_sample_of_exactly_the_engine_log(endpoint)
     m = torch.tensor(mask)
     torch.testing.assert_close(engine[m], hf[m], atol=2e-4, rtol=0)
     counts = worker.gateway.book.counts
-    assert counts["ignored_sampling"] >= 1 and counts["sessions_rewarded"] >= 1
+    assert counts["sessions_rewarded"] >= 1
 
 
 def test_completions_and_key_selected_routes_serve_the_session(endpoint):
@@ -224,15 +224,90 @@ def test_broken_and_hostile_clients_get_clear_statuses(endpoint):
     assert r.status_code == 410
 
 
-def test_over_capacity_a_call_is_answered_429_with_retry_after_and_the_waiting_ones_are_served(endpoint):
-    worker, loop, *_ = endpoint
+def test_n_logprobs_seed_and_stop_are_served_as_the_engine_sampled_them(endpoint):
+    """n choices are n leaves of the session's call tree; logprobs are the behavior log-probs trained on, with the
+    engine's top alternatives; a seed gives the same sample again; a stop string ends the reply where it starts."""
+    worker, *_ = endpoint
+    url, book = worker.gateway.url, worker.gateway.book
+    s = new_session(url)
+    client = openai.OpenAI(base_url=s["base_url"], api_key=s["api_key"], max_retries=0)
+    ask = {"model": "any", "messages": [{"role": "user", "content": "three"}], "max_completion_tokens": 6}
+    reply = client.chat.completions.create(**ask, n=3, logprobs=True, top_logprobs=2, seed=11)
+    calls = book.sessions[s["session_id"]].episode.calls
+    assert len(reply.choices) == 3 and [c.index for c in reply.choices] == [0, 1, 2] and len(calls) == 3
+    assert reply.usage.completion_tokens == sum(len(c.sampled_ids) for c in calls)
+    for choice, call in zip(reply.choices, calls):
+        assert choice.message.content == call.reply["content"]
+        assert [t.logprob for t in choice.logprobs.content] == pytest.approx(call.behavior_logprobs, abs=1e-6)
+        for token in choice.logprobs.content:
+            tops = [t.logprob for t in token.top_logprobs]
+            assert len(tops) == 2 and tops[0] >= tops[1] and tops[0] >= token.logprob - 1e-6
+    again = client.chat.completions.create(**ask, seed=11)  # choice 0 of the first request drew from seed 11
+    assert again.choices[0].message.content == reply.choices[0].message.content
+    assert book.sessions[s["session_id"]].episode.calls[3].sampled_ids == calls[0].sampled_ids
+    # a stop string from that text: the same seeded sample, ended where the stop string starts, and left out
+    text = reply.choices[0].message.content
+    for cut in range(1, len(text)):
+        stop = text[cut:cut + 2]
+        if len(stop) == 2 and stop.strip() and text.index(stop) == cut:
+            break
+    else:
+        pytest.skip(f"the random model's text {text!r} has no stop string to cut at")
+    stopped = client.chat.completions.create(**ask, seed=11, stop=[stop])
+    assert stopped.choices[0].message.content == text[:cut] and stopped.choices[0].finish_reason == "stop"
+
+
+def test_fields_that_would_change_the_sampled_distribution_are_refused_by_name(endpoint):
+    worker, *_ = endpoint
     s = new_session(worker.gateway.url)
     client = openai.OpenAI(base_url=s["base_url"], api_key=s["api_key"], max_retries=0)
+    ask = {"model": "any", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    for extra, param in (({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+                         ({"response_format": {"type": "json_object"}}, "response_format"),
+                         ({"temperature": 0.3}, "temperature"), ({"presence_penalty": 0.5}, "presence_penalty"),
+                         ({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(**ask, **extra)
+        assert refused.value.param == param and param in refused.value.message
+    with pytest.raises(openai.BadRequestError) as refused:  # an image would be dropped from the prompt: refused
+        client.chat.completions.create(model="any", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}])
+    assert refused.value.param == "messages[0].content" and "image_url" in refused.value.message
+    assert book_calls(worker, s) == 0  # nothing reached the engine
+    other = new_session(worker.gateway.url)  # OpenAI's `developer` role: the template's system turn
+    openai.OpenAI(base_url=other["base_url"], api_key=other["api_key"], max_retries=0).chat.completions.create(
+        model="any", max_tokens=2, messages=[{"role": "developer", "content": "Be brief."},
+                                             {"role": "user", "content": "hi"}])
+    (call,) = worker.gateway.book.sessions[other["session_id"]].episode.calls
+    assert worker.gateway.book.renderer.tokenizer.decode(call.plan.prompt_ids).startswith(
+        "<|im_start|>system\nBe brief.")
+    assert client.models.retrieve("relayrl").id == "relayrl"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+    # the legacy completions route streams too: the chunks put together are the recorded reply
+    chunks = list(client.completions.create(model="any", prompt="12*3=", max_tokens=5, stream=True,
+                                            stream_options={"include_usage": True}))
+    (call,) = worker.gateway.book.sessions[s["session_id"]].episode.calls
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == call.reply["content"]
+    assert chunks[-1].usage.completion_tokens == len(call.sampled_ids)
+
+
+def book_calls(worker, s) -> int:
+    return len(worker.gateway.book.sessions[s["session_id"]].episode.calls)
+
+
+def test_over_capacity_a_call_is_answered_429_with_retry_after_and_the_waiting_ones_are_served(endpoint):
+    worker, loop, *_ = endpoint
+    clients = []
+    for _ in range(MAX_CALLS + 1):  # a session's calls are one sequence: parallel calls come from many sessions
+        s = new_session(worker.gateway.url)
+        clients.append(openai.OpenAI(base_url=s["base_url"], api_key=s["api_key"], max_retries=0))
+    client = clients[-1]
     loop.pause()  # the engine stops taking calls: MAX_CALLS of them wait in the inbox
     results: list = []
 
     def call(i):
-        results.append(client.chat.completions.create(
+        results.append(clients[i].chat.completions.create(
             model="any", messages=[{"role": "user", "content": f"q{i}"}], max_tokens=2))
 
     threads = [threading.Thread(target=call, args=(i,)) for i in range(MAX_CALLS)]
@@ -345,30 +420,68 @@ def test_a_sessions_later_calls_reuse_its_prefill_and_new_weights_reuse_nothing(
     httpx.post(f"{url}/sessions/{s['session_id']}/finish", headers={"Authorization": f"Bearer {s['api_key']}"})
 
 
-def test_a_client_that_leaves_loses_its_call_and_its_session_is_not_trained(endpoint):
-    """A client that gives up while its call waits in the engine: the call, served to no one, is counted lost,
-    and the session (rewarded anyway) is finished lost and not trained."""
+def test_a_retry_after_a_client_timeout_gets_the_first_attempts_reply_and_trains_once(endpoint):
+    """A client that gives up while its call waits in the engine, then sends the same request again (as the SDK's
+    retry does): the call is sampled once, recorded once, and the retry is answered with it; the session trains."""
     worker, loop, *_ = endpoint
     url, book = worker.gateway.url, worker.gateway.book
-    before = (book.counts["calls_lost"], book.counts["sessions_lost"], book.counts["calls"])
-    gone = new_session(url, group="left", group_size=1)
+    before = dict(book.counts)
+    gone, other = new_session(url, group="retried"), new_session(url, group="retried")  # the learner's group of 2
     chat = f"{url}/sessions/{gone['session_id']}/v1/chat/completions"
     auth = {"Authorization": f"Bearer {gone['api_key']}"}
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     loop.pause()  # the call waits in the inbox while the client's read timeout passes
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(chat, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, headers=auth,
-                   timeout=httpx.Timeout(10.0, read=0.5))
+        httpx.post(chat, json=body, headers=auth, timeout=httpx.Timeout(10.0, read=0.5))
     loop.resume()
+    session = book.sessions[gone["session_id"]]
     waiting = threading.Event()
-    for _ in range(300):  # the call ends in the engine, then finds its client gone (polled up to 30 s)
-        if book.counts["calls_lost"] > before[0]:
+    for _ in range(300):  # the call ends in the engine and is recorded, its client gone (polled up to 30 s)
+        if session.episode.calls:
             break
         waiting.wait(0.1)
-    assert book.counts["calls_lost"] == before[0] + 1 and book.counts["calls"] == before[2]  # never recorded
-    assert httpx.post(f"{url}/sessions/{gone['session_id']}/reward", json={"reward": 1.0},
-                      headers=auth).status_code == 200
-    assert book.counts["sessions_lost"] == before[1] + 1
-    assert not [g for g in worker.gateway.take_groups() if g.group_id.endswith("/left")]
+    (first,) = session.episode.calls
+    assert not first.delivered and book.counts["calls"] == before["calls"] + 1
+    retry = httpx.post(chat, json=body, headers=auth, timeout=30)
+    assert retry.status_code == 200 and book.counts["calls_replayed"] == before["calls_replayed"] + 1
+    assert retry.json()["choices"][0]["message"]["content"] == first.reply["content"]
+    assert session.episode.calls == [first] and first.delivered and book.counts["calls"] == before["calls"] + 1
+    rewarded = httpx.post(f"{url}/sessions/{gone['session_id']}/reward", json=1.0, headers=auth)  # a bare number
+    assert rewarded.status_code == 200 and rewarded.json()["trained"] is True
+    other_auth = {"Authorization": f"Bearer {other['api_key']}"}
+    httpx.post(f"{url}/sessions/{other['session_id']}/v1/chat/completions", json=body, headers=other_auth, timeout=30)
+    httpx.post(f"{url}/sessions/{other['session_id']}/reward", json=0.0, headers=other_auth)
+    (group,) = [g for g in worker.gateway.take_groups() if g.group_id.endswith("/retried")]
+    assert group.trajectories[0].response_token_ids == first.sampled_ids  # the one sample of the retried call
+    assert book.counts["sessions_lost"] == before["sessions_lost"]
+
+
+def test_the_same_call_twice_at_once_is_sampled_once_and_another_call_meanwhile_is_refused_409(endpoint):
+    """A session's calls are one sequence: the same request sent twice while it runs gets one sample and one reply
+    for both; a different request meanwhile is refused 409, naming why."""
+    worker, loop, *_ = endpoint
+    url, book = worker.gateway.url, worker.gateway.book
+    s = new_session(url)
+    chat = f"{url}/sessions/{s['session_id']}/v1/chat/completions"
+    auth = {"Authorization": f"Bearer {s['api_key']}"}
+    body = {"messages": [{"role": "user", "content": "twice"}], "max_tokens": 3}
+    replies: list = []
+    loop.pause()
+    threads = [threading.Thread(target=lambda: replies.append(httpx.post(chat, json=body, headers=auth, timeout=60)))
+               for _ in range(2)]
+    for th in threads:
+        th.start()
+    waiting = threading.Event()
+    while worker.gateway.inbox.in_flight < 1 or book.counts["calls_replayed"] < 1:  # both arrived
+        waiting.wait(0.01)
+    busy = httpx.post(chat, json={**body, "max_tokens": 4}, headers=auth, timeout=30)
+    assert busy.status_code == 409 and "one sequence" in busy.json()["error"]["message"]
+    assert worker.gateway.inbox.in_flight == 1  # one engine request for the two
+    loop.resume()
+    for th in threads:
+        th.join(60)
+    assert [r.status_code for r in replies] == [200, 200] and replies[0].json() == replies[1].json()
+    assert len(book.sessions[s["session_id"]].episode.calls) == 1
 
 
 def test_a_streamed_reply_reaches_the_client_while_the_engine_still_samples_it(endpoint):
@@ -431,12 +544,12 @@ def test_a_streamed_reply_reaches_the_client_while_the_engine_still_samples_it(e
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
 
-def test_a_client_that_leaves_mid_stream_loses_its_call(endpoint):
-    """A streamed call whose client closes the connection after the first event: the call is counted lost, never
-    recorded, and its session (rewarded anyway) is finished lost and not trained."""
+def test_a_client_that_leaves_mid_stream_and_never_returns_is_not_trained_and_told_why(endpoint):
+    """A streamed call whose client closes the connection after the first event and never retries: the call is
+    recorded undelivered, and the reward's reply says the session will not train, and why."""
     worker, loop, *_ = endpoint
     url, book = worker.gateway.url, worker.gateway.book
-    before = (book.counts["calls_lost"], book.counts["sessions_lost"], book.counts["calls"])
+    before = dict(book.counts)
     gone = new_session(url, group="left-stream", group_size=1)
     auth = {"Authorization": f"Bearer {gone['api_key']}"}
     loop.pause()  # the call waits in the inbox: the stream has begun, no token yet
@@ -446,18 +559,15 @@ def test_a_client_that_leaves_mid_stream_loses_its_call(endpoint):
         first = next(line for line in r.iter_lines() if line.startswith("data: "))
         assert '"role": "assistant"' in first
     loop.resume()
-    waiting = threading.Event()
-    for _ in range(300):  # noticed at the next event sent, or at once (polled up to 30 s)
-        if book.counts["calls_lost"] > before[0]:
-            break
-        waiting.wait(0.1)
-    assert book.counts["calls_lost"] == before[0] + 1 and book.counts["calls"] == before[2]
     session = book.sessions[gone["session_id"]]
-    for _ in range(300):  # the stream's end gives the call back (its result, served to no one, is dropped)
-        if session.calls_in_flight == 0:
+    waiting = threading.Event()
+    for _ in range(300):  # the call ends in the engine (polled up to 30 s)
+        if session.episode.calls and session.calls_in_flight == 0:
             break
         waiting.wait(0.1)
-    assert httpx.post(f"{url}/sessions/{gone['session_id']}/reward", json={"reward": 1.0},
-                      headers=auth).status_code == 200
-    assert book.counts["sessions_lost"] == before[1] + 1
+    assert [c.delivered for c in session.episode.calls] == [False]
+    rewarded = httpx.post(f"{url}/sessions/{gone['session_id']}/reward", json={"reward": 1.0}, headers=auth)
+    assert rewarded.status_code == 200
+    assert rewarded.json()["trained"] is False and "reached its client" in rewarded.json()["reason"]
+    assert book.counts["calls_undelivered"] >= before["calls_undelivered"] + 1
     assert not [g for g in worker.gateway.take_groups() if g.group_id.endswith("/left-stream")]
