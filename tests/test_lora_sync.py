@@ -56,8 +56,8 @@ def _probe_check(found: dict, path: str, cfg, learner, worker, batch) -> None:
                                        ["weight_sync.type=collective"]], ids=["object_store", "delta", "collective"])
 def test_engine_matches_learner_under_the_adapter(ray_cluster, tiny_models, transport):
     found: dict = {}
-    gap, moved, published = at_once((_sync_gap, ray_cluster, tiny_models["tied"], [*LORA, *transport],
-                                     lambda *args: _probe_check(found, *args)))[0]
+    gap, moved, published, _rpcs, _load_s = at_once((_sync_gap, ray_cluster, tiny_models["tied"], [*LORA, *transport],
+                                                      lambda *args: _probe_check(found, *args)))[0]
     print(f"LoRA sync {transport}: gap {gap:.3g}, moved {moved:.3g}, probe {found}")
     assert gap < 1e-4, f"vLLM under the adapter and the learner differ by {gap}"
     assert moved > 1e-2, f"the update moved vLLM's log-probs by only {moved}"
