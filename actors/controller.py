@@ -7,8 +7,11 @@ stats) and keeps one long poll (`watch`) open that returns when new weights are 
 admission budget it waits for is freed. The driver takes batches and publishes weights. The logic is plain
 Python and serializable (`state_dict`), so the simulator and the checkpoints use the same class;
 `ControllerActor` adds the asynchronous Ray entry points. Beside it: the messages (actors/controller_messages.py),
-the prompt cursor (actors/prompt_cursor.py), the lease bookkeeping (actors/leases.py), the live scoring worker
-lists (actors/scoring_lists.py) and the joining of the scoring tasks a worker hands over (actors/stream_join.py).
+the prompt cursor (actors/prompt_cursor.py), the lease bookkeeping (actors/leases.py) and the scoring stage
+(actors/scoring_stage.py), which owns the live scoring workers and scores every group a worker hands over.
+
+Tokens never pass through here: a worker hands over a group header (protocols/group_header.py) holding the ref of
+the group it put in the object store, and the queue holds headers.
 
 The policy version is the driver's (cluster/trainer.py: a learner step makes the next one, and the learner stamps
 it on the weights before they reach here). The controller keeps no counter of its own: it holds the newest
@@ -26,16 +29,20 @@ from actors.leases import LeaseBook
 from actors.length_history import LengthHistory
 from actors.prompt_cursor import PromptCursor
 from actors.replay_queue import ReplayQueue
-from actors.scoring_lists import ScoringLists
-from actors.stream_join import ScorerFailed, resolve_all, sort_results
+from actors.scoring_stage import REWARD, ScoringStage
 from gateway.sessions import SESSION_GROUP_PREFIX
-from protocols.trajectory import TOKEN_SCORERS, Prompt, TrajectoryGroup
+from protocols.group_header import GroupHeader
+from protocols.trajectory import Prompt, TrajectoryGroup
 from protocols.weight_announcement import WeightAnnouncement
 
 log = logging.getLogger(__name__)
 
 
-class RolloutController(LeaseBook, ScoringLists):
+SCORING = -1
+"""Lease holder of a group handed over and being scored: its worker's death no longer concerns it."""
+
+
+class RolloutController(LeaseBook):
     """Admission, leases, queue and weights. Admission rule (AReaL's staleness control, Fu et al. 2025, sec. 5.1):
     a worker holding policy version w may start a group only while
 
@@ -57,9 +64,13 @@ class RolloutController(LeaseBook, ScoringLists):
     def __init__(self, prompts: list[Prompt], prompts_per_step: int, max_staleness: int,
                  drop_zero_variance: bool, seed: int, num_workers: int = 1,
                  clock: Callable[[], float] = time.monotonic, length_aware: bool = False,
-                 from_data: bool = True) -> None:
+                 from_data: bool = True, max_rescore_attempts: int = 2, scoring_timeout_s: float = 1800.0) -> None:
         LeaseBook.__init__(self)
-        ScoringLists.__init__(self)
+        self.stage = ScoringStage(max_rescore_attempts, scoring_timeout_s, self._scored, self._drop_one,
+                                  self._fatal)
+        """Scores every group handed over (actors/scoring_stage.py); the one owner of the live scoring workers."""
+        self.fatal_error = ""
+        """Set when a scoring worker raised without dying: the driver's next `wait_batch` raises it."""
         self.from_data = from_data
         """False under gateway.outside_only: no prompt is leased (no data set); every group is a session group."""
         self.cursor = PromptCursor(prompts, seed) if from_data else None
@@ -79,10 +90,6 @@ class RolloutController(LeaseBook, ScoringLists):
         group arrived: when a worker that joined a running job delivered its first samples."""
         self.clock = clock
         self.calls: Counter[str] = Counter()
-        self.rescored = 0
-        self.rescored_scorer: Counter[str] = Counter({role: 0 for role in TOKEN_SCORERS})
-        """Groups sent again after their worker of a token-scoring role (reference, teacher) died, by role."""
-        self.rescored_critic = 0
         # starved worker -> (its version, groups it still wants), oldest first; and those whose watch should return
         self._waiting: dict[int, tuple[int, int]] = {}
         self._woken: set[int] = set()
@@ -127,8 +134,13 @@ class RolloutController(LeaseBook, ScoringLists):
         flag, newer weights, or the groups it may start. Scored groups go first, so budget their drops free is
         granted in the same call."""
         self.calls["sync"] += 1
-        for group_id, group in request.scored:
-            self._put(group)
+        headers = [item if isinstance(item, GroupHeader) else GroupHeader.of(item, rewarded=True)
+                   for _, item in request.scored]
+        in_outbox = [h for h in headers if h.ref is None and h.group is None]
+        if in_outbox:
+            self._take_from_outbox(request.outbox, in_outbox)
+        for header in headers:
+            self._hand_over(header)
         for reason, group_ids in request.dropped.items():
             self._drop(reason, group_ids)
         if request.stats is not None:
@@ -137,7 +149,6 @@ class RolloutController(LeaseBook, ScoringLists):
         self._woken.discard(request.worker_id)
         reply = SyncReply(stop=self.stopped, weights=self.latest_weights(request.version),
                           max_in_flight=self.fair_share)
-        self._newer_lists(request, reply)
         if not reply.stop and reply.weights is None and request.want > 0:
             reply.granted = self._admit(request.worker_id, request.version, request.want, request.in_flight)
             if self.lengths is not None:
@@ -212,22 +223,82 @@ class RolloutController(LeaseBook, ScoringLists):
         self.num_workers = num_workers
 
     # --- scored and dropped groups ------------------------------------------------------------------------
-    def _put(self, group: TrajectoryGroup) -> bool:
-        holder = self.leases.get(group.group_id)
-        if not self._end_lease(group.group_id):
-            return False
+    def _take_from_outbox(self, outbox, headers: list[GroupHeader]) -> None:
+        """Set each header's ref to its group, taken from the worker's outbox (ControllerActor: by a task)."""
+        raise ValueError(f"groups {[h.group_id for h in headers]} came without their tokens: the plain controller "
+                         "takes groups inline (a TrajectoryGroup, or GroupHeader.of(group))")
+
+    # --- scoring workers ----------------------------------------------------------------------------------
+    def set_scoring_workers(self, workers: dict[str, list]) -> None:
+        """Every scoring role's live list at start (role -> handles: reward, reference, teacher, critic)."""
+        self.calls["set_scoring_workers"] += 1
+        for role, handles in workers.items():
+            self.stage.set_workers(role, handles)
+
+    def set_reward_workers(self, workers: list) -> int:
+        """The live reward worker list after a replacement. Returns its generation."""
+        self.calls["set_reward_workers"] += 1
+        return self.stage.set_workers(REWARD, workers)
+
+    def set_model_workers(self, role: str, workers: list) -> int:
+        """The live list of `role` (reference, teacher, critic) after a replacement or a critic restart."""
+        self.calls["set_model_workers"] += 1
+        return self.stage.set_workers(role, workers)
+
+    # --- scored and dropped groups ------------------------------------------------------------------------
+    def _hand_over(self, header: GroupHeader) -> None:
+        """A worker's finished group: it leaves the worker's lease (the stage holds it while it is scored), then
+        goes to the queue, or to the stage when a role still has to score it. A group whose lease was released
+        (its worker was declared lost) is ignored."""
+        group_id = header.group_id
+        if group_id in self.released:
+            self._end_lease(group_id)  # counts the late arrival
+            return
+        holder = self.leases.get(group_id)
         if holder is not None:
             self.first_scored_at.setdefault(holder[0], time.time())
-        if group.group_id.startswith(SESSION_GROUP_PREFIX):
+            self.leases[group_id] = (SCORING, holder[1])
+        if group_id.startswith(SESSION_GROUP_PREFIX):
             # a session endpoint's group (gateway/) is admitted when it arrives: its client, not the prompt
-            # cursor, started it; so admitted = trained + dropped + queued holds for it too
+            # cursor, started it; so admitted = trained + dropped + queued + in flight holds for it too
             self.admitted += 1
+        if header.rewarded and not any(self.stage.roles_for(header)):
+            self._scored(header)
+        else:
+            self.stage.submit(header)
+
+    def _scored(self, header: GroupHeader) -> bool:
+        """A group every role scored: into the queue (or dropped and counted by it)."""
+        if not self._end_lease(header.group_id):
+            return False
         if self.lengths is not None:  # stale or not, its lengths say how long the prompt runs
-            self.lengths.record(group)
-        queued = self.queue.put(group)
+            self.lengths.record(header)
+        queued = self.queue.put(header)
         if queued:
             self._queue_grew()
+        self._wake_waiters()
         return queued
+
+    def _drop_one(self, reason: str, group_id: str) -> None:
+        self._drop(reason, [group_id])
+        self._wake_waiters()
+
+    def _fatal(self, message: str) -> None:
+        """Stop the run with `message` (a scoring worker raised): the workers stop generating groups that would
+        only be dropped, and the driver's next `wait_batch` raises it."""
+        if not self.fatal_error:
+            log.error("%s", message)
+            self.fatal_error = message
+            self.stop()
+        self._queue_grew()
+
+    def count_lost(self, reason: str, group_ids: list[str]) -> None:
+        """Groups taken for training whose tokens could not be fetched (their object store's node died):
+        counted dropped `reason` instead of trained."""
+        self.calls["count_lost"] += 1
+        self.queue.trained -= len(group_ids)
+        self.queue.dropped[reason] += len(group_ids)
+        self._wake_waiters()
 
     def _queue_grew(self) -> None:
         """Hook: a batch may be ready (the Ray actor wakes the driver's `wait_batch`)."""
@@ -238,11 +309,11 @@ class RolloutController(LeaseBook, ScoringLists):
         self.queue.dropped[reason] += count
 
     # --- driver ------------------------------------------------------------------------------------------------
-    def take_batch(self, learner_version: int) -> list[TrajectoryGroup] | None:
+    def take_batch(self, learner_version: int) -> list[GroupHeader] | None:
         self.calls["take_batch"] += 1
         return self._take_batch(learner_version)
 
-    def _take_batch(self, learner_version: int) -> list[TrajectoryGroup] | None:
+    def _take_batch(self, learner_version: int) -> list[GroupHeader] | None:
         batch = self.queue.take(self.prompts_per_step, learner_version)
         self._wake_waiters()  # stale drops free budget
         return batch
@@ -280,9 +351,8 @@ class RolloutController(LeaseBook, ScoringLists):
             "queue/leased": len(self.leases),
             "queue/reissue_pending": len(self.reissue),
             "queue/late_after_release": self.late_after_release,
-            "queue/rescored_reward_worker_died": self.rescored,
-            **{f"queue/rescored_{role}_worker_died": n for role, n in self.rescored_scorer.items()},
-            "queue/rescored_critic_failed": self.rescored_critic,
+            "queue/scoring": len(self.stage.pending),
+            **{f"queue/{name}": n for name, n in self.stage.counts.items()},
             "data/epoch": self.cursor.epoch if self.cursor is not None else 0,
         }
         out.update({f"queue/dropped_{reason}": n for reason, n in q.dropped.items()})
@@ -300,10 +370,11 @@ class RolloutController(LeaseBook, ScoringLists):
         """`first_scored_at`: worker id -> wall time of its first scored group."""
         return dict(self.first_scored_at)
 
-    def state_dict(self) -> dict:
+    def state_dict(self, groups: list[TrajectoryGroup] | None = None) -> dict:
+        """`groups`: the queued groups assembled, when they are in the object store (ControllerActor)."""
         return {
             "cursor": self.cursor.state_dict() if self.cursor is not None else None,
-            "queue": self.queue.state_dict(),
+            "queue": self.queue.state_dict(groups),
             "admitted": self.admitted,
             **self._leases_state(),
         }
@@ -321,14 +392,10 @@ class RolloutController(LeaseBook, ScoringLists):
 class ControllerActor(RolloutController):
     """The controller hosted as an asynchronous Ray actor (`ray.remote(ControllerActor)`). Its plain methods run
     on the actor's event loop one at a time, as before; `watch` waits there without holding it, and `sync`
-    awaits the scored groups' object refs. A reward task whose worker died is handed back for re-scoring
-    (`SyncReply.rescore`; dropped `reward_worker_died` on a worker's final call); any other failed reward task
-    counts as dropped `reward_failed`."""
+    runs the scoring stage's tasks."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.fatal_error = ""
-        """Set when a reference worker's task raises (it did not die): the driver's next `wait_batch` raises it."""
         self._changed: asyncio.Event | None = None
         self._grew: asyncio.Event | None = None  # separate, so a queued group does not wake every watch
 
@@ -342,7 +409,7 @@ class ControllerActor(RolloutController):
             self._grew.set()
             self._grew = None
 
-    async def wait_batch(self, learner_version: int, timeout_s: float = 1.0) -> list[TrajectoryGroup] | None:
+    async def wait_batch(self, learner_version: int, timeout_s: float = 1.0) -> list[GroupHeader] | None:
         """Long poll for `take_batch`: the next batch once it is complete, or None after `timeout_s`, so the
         driver makes about one call per step instead of polling."""
         self.calls["wait_batch"] += 1
@@ -369,54 +436,29 @@ class ControllerActor(RolloutController):
             await self._changed.wait()
         return news
 
-    def _scorer_failed(self, group_id: str, err: ScorerFailed) -> None:
-        """Stop the run with an error that names the worker and the settings: its forward raised (a dead reference
-        or teacher worker is replaced instead, cluster/supervisor.py), and the same forward would raise again, so
-        dropping every later group would stall the run without a word."""
-        if not self.fatal_error:
-            role = err.role
-            log.error("%s worker failed on group %s: %s", role, group_id, err)
-            # the config check names whatever else needs the role once it is off (e.g. the teacher's weight)
-            off = ("set reference.num_workers=0 to score the reference inside the learner" if role == "reference"
-                   else f"set {role}.num_workers=0 to train without it")
-            self.fatal_error = (
-                f"{err} (group {group_id}). A {role} worker that raises is not retried, so the run stops. If it ran "
-                f"out of memory, lower {role}.max_tokens_per_micro_batch (0 scores in the learner's micro-batches: "
-                f"learner.micro_batch_size or learner.max_tokens_per_micro_batch) or raise {role}.gpus; or {off}")
-            self.stop()  # the workers stop generating groups that would only be dropped
-        self._queue_grew()  # wake the driver's wait_batch, which raises it
-
     async def sync(self, request: SyncRequest) -> SyncReply:
-        refs = [(g, item) for g, item in request.scored if not isinstance(item, TrajectoryGroup)]
-        died, scorer_died, critic_died = [], {}, []
-        if refs:
-            results = await resolve_all([item for _, item in refs])
-            joined = sort_results([g for g, _ in refs], results, self.critic_actor_ids)
-            for group_id, err in joined.scorer_failures:
-                self._scorer_failed(group_id, err)
-            scored = [(g, item) for g, item in request.scored if isinstance(item, TrajectoryGroup)]
-            scored += joined.scored
-            failed, died = joined.failed, joined.died
-            scorer_died, critic_died = joined.scorer_died, joined.critic_died
-            if request.final:  # the worker stopped: nothing can be sent again
-                lost = [("reward_worker_died", died), ("critic_failed", critic_died),
-                        *((f"{role}_worker_died", ids) for role, ids in scorer_died.items())]
-                for reason, group_ids in lost:
-                    if group_ids:
-                        failed.setdefault(reason, []).extend(group_ids)
-                died, scorer_died, critic_died = [], {}, []
-            dropped = dict(request.dropped)
-            for reason, group_ids in failed.items():
-                dropped[reason] = [*dropped.get(reason, []), *group_ids]
-            request = SyncRequest(**{**request.__dict__, "scored": scored, "dropped": dropped})
-        reply = super().sync(request)
-        if died:
-            self.rescored += len(died)
-            reply.rescore = died
-        for role, group_ids in scorer_died.items():
-            self.rescored_scorer[role] += len(group_ids)
-        reply.rescore_model = scorer_died
-        if critic_died:
-            self.rescored_critic += len(critic_died)
-            reply.rescore_critic = critic_died
-        return reply
+        # on the event loop, where the scoring stage's tasks run
+        return super().sync(request)
+
+    def _take_from_outbox(self, outbox, headers: list[GroupHeader]) -> None:
+        # one task for the call's groups, one return each: this actor owns them, in the worker's object store
+        refs = outbox.take_groups.options(num_returns=len(headers), concurrency_group="outbox").remote(
+            [h.group_id for h in headers])
+        for header, ref in zip(headers, refs if len(headers) > 1 else [refs]):
+            header.ref = ref
+
+    async def state_dict(self) -> dict:
+        """The plain state, with every queued group fetched by ref and assembled (the checkpoint holds tokens;
+        the queue does not)."""
+        headers = self.queue.headers()
+        groups = await asyncio.gather(*(assembled(h) for h in headers))
+        return {**super().state_dict(groups=list(groups))}
+
+
+async def assembled(header: GroupHeader) -> TrajectoryGroup:
+    """The group of `header` as the learner reads it, fetched by its refs (or inline)."""
+    if header.ref is None:
+        return header.inline()
+    group = await header.ref
+    scores = {role: await rows for role, rows in header.scores.items()}
+    return header.assemble(group, scores)

@@ -23,20 +23,17 @@ class SyncRequest:
     want: int = 0
     """Groups it asks for now; 0 asks for none."""
     scored: list[tuple[str, Any]] = field(default_factory=list)
-    """(group_id, scored TrajectoryGroup, the reward task's ObjectRef, or a StreamedGroup of reward and reference
-    refs). Refs sit inside this record, so Ray passes them unresolved and the data goes reward (and reference)
-    worker -> controller, never through the rollout worker."""
+    """(group_id, GroupHeader) of each finished group, without its tokens: the controller takes the group from
+    the worker's `outbox` by a task (so it owns it). A TrajectoryGroup, or a header holding its group inline, is
+    handed over whole (the simulator, the unit tests)."""
     dropped: dict[str, list[str]] = field(default_factory=dict)
     """Reason -> group ids the worker abandoned (for example aborted when the run stopped)."""
     stats: dict | None = None
     """The worker's counters, replacing its previous report."""
-    reward_generation: int = 0
-    """The generation of the reward worker list the worker sends to; an older one gets the live list back."""
     final: bool = False
-    """The worker's last call (it stopped): scoring that failed cannot be retried, so it is dropped."""
-    model_generation: int = 0
-    """The generation of the token-scoring (reference, teacher) and critic worker lists the worker sends to (see
-    `model_workers`)."""
+    """The worker's last call (it stopped)."""
+    outbox: Any = None
+    """The worker's actor handle: the controller takes the handed-over groups from it (`take_groups`)."""
 
 
 @dataclass
@@ -54,21 +51,6 @@ class SyncReply:
     expected_lengths: dict[str, float] = field(default_factory=dict)
     """With rollout.length_aware_dispatch: group_id -> expected response tokens of each granted group
     (actors/length_history.py), so the worker's engine starts the long ones first; empty otherwise."""
-    rescore: list[str] = field(default_factory=list)
-    """Groups of this call whose reward worker died before scoring them: send them to a live one (their leases
-    stay with the worker)."""
-    reward_workers: tuple[int, list] | None = None
-    """(generation, the live reward worker handles) when newer than the request's generation."""
-    rescore_model: dict[str, list[str]] = field(default_factory=dict)
-    """Token-scoring role (reference, teacher) -> groups of this call whose worker of that role died before
-    scoring them: send them again (every stage), to a live worker of the role."""
-    rescore_critic: list[str] = field(default_factory=list)
-    """Groups of this call whose critic worker died before stamping them: send them again once the restarted
-    critic group's handles arrive (`model_workers`)."""
-    model_workers: tuple[int, dict[str, list]] | None = None
-    """(generation, {"reference": handles, "teacher": handles, "critic": handles}) after the driver replaced a
-    token-scoring worker or restarted the critic group, when newer than the request's generation
-    (cluster/supervisor.py)."""
 
 
 @dataclass

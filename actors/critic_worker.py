@@ -10,13 +10,13 @@ from protocols.trajectory import TrajectoryGroup
 
 
 class CriticWorker(CriticRank):
-    def add_values(self, group: TrajectoryGroup) -> TrajectoryGroup:
-        """The group with `values` (one per response token) and `critic_version` set on every trajectory."""
+    def values_rows(self, group: TrajectoryGroup) -> tuple[int, list[list[float]]]:
+        """With two returns, as the scoring stage calls it: the critic version the values were computed after
+        (small: the stage awaits it) and V(state before each response token), one row per trajectory (left in the
+        object store until the learner reads them)."""
         batch = TrainingBatch.from_trajectories(group.trajectories)
         values, version = self.values(batch)
-        stamped = [t.model_copy(update={"values": v, "critic_version": version})
-                   for t, v in zip(group.trajectories, batch.per_sample_rows(values))]
-        return group.model_copy(update={"trajectories": stamped})
+        return version, batch.per_sample_rows(values)
 
     def ping(self) -> int:
         return self.rank

@@ -8,7 +8,8 @@ seen has the mean over all groups seen so far: unknown prompts granted together 
 sit between the prompts known to be short and those known to be long.
 """
 
-from protocols.trajectory import Prompt, TrajectoryGroup
+from protocols.group_header import GroupHeader
+from protocols.trajectory import Prompt
 
 HINT_KEY = "length_hint"
 """Prompt metadata key of an optional expected response length in tokens, set by the data set."""
@@ -25,11 +26,11 @@ class LengthHistory:
         self._total = 0.0
         self._groups = 0
 
-    def record(self, group: TrajectoryGroup) -> None:
-        if not group.trajectories:
+    def record(self, group: GroupHeader) -> None:
+        if not group.response_lengths:
             return
-        prompt_id = group.trajectories[0].prompt.prompt_id
-        mean = sum(len(t.response_token_ids) for t in group.trajectories) / len(group.trajectories)
+        prompt_id = group.prompt_id
+        mean = sum(group.response_lengths) / len(group.response_lengths)
         previous = self.means.get(prompt_id)
         self.means[prompt_id] = mean if previous is None else (previous + mean) / 2
         self._total += mean

@@ -12,6 +12,7 @@ forward's size may differ (reference.max_tokens_per_micro_batch): the worker run
 """
 
 import time
+from typing import Any
 
 import torch
 
@@ -94,6 +95,12 @@ class ReferenceWorker:
         .with_token_scores attaches them). Returns lists, not the group: only the new numbers travel back."""
         self._count(groups=1)
         return self.score_batch(TrainingBatch.from_trajectories(group.trajectories))
+
+    def score_rows(self, group: TrajectoryGroup) -> tuple[int, Any]:
+        """`score_group` as the scoring stage calls it, with two returns: the row count (small: the stage awaits
+        it) and the rows (left in the object store until the learner reads them)."""
+        rows = self.score_group(group)
+        return len(group.trajectories), rows
 
     def stats(self) -> dict[str, float]:
         """COUNTERS since start."""

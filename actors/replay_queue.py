@@ -1,12 +1,14 @@
 """The replay queue: scored groups wait here between the reward workers and the learner.
 
 It is plain Python (no Ray) so tests and the simulator drive it directly; `actors/controller.py` hosts it in a
-Ray actor. It keeps groups whole, enforces staleness in policy versions, drops zero-signal groups when asked,
-and counts every group it receives as exactly one of: waiting, trained, or dropped with a reason.
+Ray actor. It holds group headers (protocols/group_header.py: the ref of a group's tokens and its numbers), keeps
+groups whole, enforces staleness in policy versions, drops zero-signal groups when asked, and counts every group
+it receives as exactly one of: waiting, trained, or dropped with a reason.
 """
 
 from collections import Counter, deque
 
+from protocols.group_header import GroupHeader
 from protocols.metrics import length_metrics
 from protocols.trajectory import TrajectoryGroup
 
@@ -26,9 +28,7 @@ class ReplayQueue:
     def __init__(self, max_staleness: int, drop_zero_variance: bool) -> None:
         self.max_staleness = max_staleness
         self.drop_zero_variance = drop_zero_variance
-        # (oldest token version, critic version or None, group): both computed once at put, not at every poll of
-        # `take`.
-        self._groups: deque[tuple[int, int | None, TrajectoryGroup]] = deque()
+        self._groups: deque[GroupHeader] = deque()
         self.received = 0
         self.trained = 0
         self.dropped: Counter[str] = Counter()
@@ -41,17 +41,24 @@ class ReplayQueue:
     def __len__(self) -> int:
         return len(self._groups)
 
-    def put(self, group: TrajectoryGroup) -> bool:
-        """Add a scored group. Returns False when it was dropped (and counted) instead of queued."""
+    def put(self, group: GroupHeader | TrajectoryGroup) -> bool:
+        """Add a scored group (a TrajectoryGroup is held inline). Returns False when it was dropped (and counted)
+        instead of queued."""
+        if isinstance(group, TrajectoryGroup):
+            group = GroupHeader.of(group, rewarded=True)
         self.received += 1
         # truncated as the trained batch counts it (response/truncated_frac): out of tokens or of turns
-        self._generated.extend((len(t.response_token_ids), t.truncated) for t in group.trajectories)
+        self._generated.extend(zip(group.response_lengths, group.truncated))
         if self.drop_zero_variance and not group_has_signal(group.rewards):
             self.dropped["zero_variance"] += 1
             self.zero_variance_rewarded += group.rewards[0] > 0
             return False
-        self._groups.append((group.min_version, group.critic_version, group))
+        self._groups.append(group)
         return True
+
+    def headers(self) -> list[GroupHeader]:
+        """The queued groups, oldest first."""
+        return list(self._groups)
 
     def drop_stale(self, learner_version: int) -> int:
         """Drop groups whose oldest token is more than max_staleness versions behind the learner (`stale`), or
@@ -62,26 +69,26 @@ class ReplayQueue:
         def critic_ok(critic_version: int | None) -> bool:
             return critic_version is None or critic_version >= oldest_allowed
 
-        if all(version >= oldest_allowed and critic_ok(critic) for version, critic, _ in self._groups):
+        if all(g.min_version >= oldest_allowed and critic_ok(g.critic_version) for g in self._groups):
             return 0
         kept = deque()
-        for version, critic, group in self._groups:
-            if version < oldest_allowed:
+        for group in self._groups:
+            if group.min_version < oldest_allowed:
                 self.dropped["stale"] += 1
-            elif not critic_ok(critic):
+            elif not critic_ok(group.critic_version):
                 self.dropped["stale_critic"] += 1
             else:
-                kept.append((version, critic, group))
+                kept.append(group)
         dropped = len(self._groups) - len(kept)
         self._groups = kept
         return dropped
 
-    def take(self, num_groups: int, learner_version: int) -> list[TrajectoryGroup] | None:
+    def take(self, num_groups: int, learner_version: int) -> list[GroupHeader] | None:
         """The next `num_groups` fresh-enough groups, or None (nothing removed) while fewer are waiting."""
         self.drop_stale(learner_version)
         if len(self._groups) < num_groups:
             return None
-        batch = [self._groups.popleft()[2] for _ in range(num_groups)]
+        batch = [self._groups.popleft() for _ in range(num_groups)]
         self.trained += num_groups
         return batch
 
@@ -97,9 +104,12 @@ class ReplayQueue:
                 **length_metrics(lengths, prefix="generated/"),
                 "generated/truncated_frac": sum(cut for _, cut in samples) / len(samples)}
 
-    def state_dict(self) -> dict:
+    def state_dict(self, groups: list[TrajectoryGroup] | None = None) -> dict:
+        """`groups`: the queued groups assembled (GroupHeader.assemble), in queue order; None when every header
+        holds its group inline."""
+        groups = [h.inline() for h in self._groups] if groups is None else groups
         return {
-            "groups": [g.model_dump(mode="json") for _, _, g in self._groups],
+            "groups": [g.model_dump(mode="json") for g in groups],
             "received": self.received,
             "trained": self.trained,
             "dropped": dict(self.dropped),
@@ -108,7 +118,7 @@ class ReplayQueue:
 
     def load_state_dict(self, state: dict) -> None:
         groups = (TrajectoryGroup.model_validate(g) for g in state["groups"])
-        self._groups = deque((g.min_version, g.critic_version, g) for g in groups)
+        self._groups = deque(GroupHeader.of(g, rewarded=True) for g in groups)
         self.received = state["received"]
         self.trained = state["trained"]
         self.dropped = Counter(state["dropped"])

@@ -1,5 +1,5 @@
-"""Reward worker: a Ray actor that scores trajectory groups coming from the rollout workers before they go to
-the replay queue, and held-out responses for evaluation. A thin wrapper around `rewards.scorer.Scorer`, which
+"""Reward worker: a Ray actor that scores trajectory groups on their way to the replay queue (the controller's
+scoring stage sends it each group's ref, actors/scoring_stage.py), and held-out responses for evaluation. A thin wrapper around `rewards.scorer.Scorer`, which
 holds the logic and is tested without Ray. The driver creates `reward.num_workers` of them with
 `ray.remote(RewardWorker).options(num_cpus=...)`; `score_on_workers` spreads an evaluation over them.
 """
@@ -21,9 +21,11 @@ class RewardWorker:
         self.worker_index = worker_index
         self.scorer = Scorer(cfg)
 
-    def score_group(self, group: TrajectoryGroup) -> TrajectoryGroup:
-        """Fills `reward` and `result` of each trajectory; a failed check gives reward 0, never an exception."""
-        return self.scorer.score_group(group)
+    def score_group(self, group: TrajectoryGroup) -> tuple[list[float], list[VerifierResult]]:
+        """Each sample's reward and verifier result, in order: only the new numbers travel back, not the group. A
+        failed check gives reward 0, never an exception."""
+        scored = self.scorer.score_group(group)
+        return [t.reward for t in scored.trajectories], [t.result for t in scored.trajectories]
 
     def score_held_out(self, prompts: list[Prompt], responses: list[str]) -> list[VerifierResult]:
         """Held-out scoring with the run's verifier, per-prompt verifiers, settings and limits. A failed check is

@@ -1,13 +1,14 @@
-"""The rollout worker: one vLLM engine that streams sampled groups, with behavior log-probs, to the reward workers.
+"""The rollout worker: one vLLM engine that streams sampled groups, with behavior log-probs, to the controller.
 
 It drives the engine one decode step at a time (actors/decode_loop.py), so between two steps it can load newer
 weights (a safe point): every response token is stamped with the policy version that sampled it, which keeps the
-importance correction exact under partial rollouts. Each finished group goes to scoring (actors/score_router.py,
-which also re-sends groups whose scoring worker died); scored groups go to the controller's replay queue. The
-worker calls the controller once per batch of groups (`actors/worker_policy.py` decides when), not once per
+importance correction exact under partial rollouts. Each finished group is put into the object store once, and its
+header (protocols/group_header.py) goes to the controller, whose scoring stage has it scored. The worker knows
+only the controller. It calls the controller once per batch of groups (`actors/worker_policy.py` decides when), not once per
 decode step. Evaluation generation (actors/eval_generation.py) runs on the same engine between runs.
 """
 
+import dataclasses
 import logging
 import os
 import time
@@ -21,7 +22,6 @@ from actors.decode_loop import DecodeLoop, SampleInFlight, finish_every_request
 from actors.engine_args import engine_args, engine_context, start_failure_hint
 from actors.lora_adapter import AdapterRequests, EngineAdapter
 from actors.prefix_cache import SaltedRequests, cache_salt
-from actors.score_router import ScoreRouter
 from actors.vllm_weights import check_vllm_interfaces, load_checkpoint_weights, load_object_refs
 from actors.weight_probe_requests import ProbingEngine
 from actors.worker_policy import PolicySettings, WorkerPolicy
@@ -29,13 +29,18 @@ from gateway.sessions import SESSION_GROUP_PREFIX
 from learner.rank_setup import require_cuda
 from learner.startup_heap import frozen_after_imports
 from protocols.config import RunConfig
-from protocols.trajectory import Prompt
+from protocols.group_header import GroupHeader
+from protocols.trajectory import Prompt, TrajectoryGroup
 from protocols.weight_announcement import WeightAnnouncement
 from protocols.weight_probe import check_probe_fits, run_probe
 from rewards.environment import prompt_encoder
 from weights.backends import weight_backend
 
 log = logging.getLogger(__name__)
+
+
+OUTBOX = {"concurrency_groups": {"outbox": 1}}
+"""Ray options of a rollout worker actor under a controller: `take_groups` runs in its own thread beside `run`."""
 
 
 def configure_vllm_env(cfg: RunConfig) -> None:
@@ -47,9 +52,7 @@ def configure_vllm_env(cfg: RunConfig) -> None:
 
 
 class RolloutWorker:
-    def __init__(self, cfg: RunConfig, worker_id: int, model_path: str, controller=None,
-                 reward_workers: list | None = None, critic_workers: list | None = None,
-                 scorers: dict[str, list] | None = None) -> None:
+    def __init__(self, cfg: RunConfig, worker_id: int, model_path: str, controller=None) -> None:
         configure_vllm_env(cfg)
         with frozen_after_imports():
             from vllm import LLM
@@ -110,10 +113,8 @@ class RolloutWorker:
             self.gateway = GatewayService(cfg, self.tokenizer, worker_id, self._call_params)
             # an episode's calls older than train.max_staleness allows are cut from its samples at a call boundary
             self.gateway.book.min_version = lambda: self.version - cfg.train.max_staleness
-        self.router = ScoreRouter(reward_workers or [], scorers or {}, critic_workers or [],
-                                  cfg.fault.max_rescore_attempts, cfg.fault.batch_timeout_s)
-        """Where each finished group goes to be scored: a reward worker, one worker of every token-scoring role
-        (`scorers`: reference, teacher) beside it, and a critic worker after it."""
+        self.outbox: dict[str, TrajectoryGroup] = {}
+        """Finished groups handed over by header, until the controller takes them (`take_groups`)."""
         self.sync_seconds = 0.0
         self.receiver = weight_backend(cfg).receiver(cfg)
         """The configured transport's receiver (weights/backends.py); a group-forming one is joined later."""
@@ -208,7 +209,7 @@ class RolloutWorker:
         agents = self.gateway.agents
         for group in self.gateway.take_groups():
             if agents is None or group.group_id.startswith(SESSION_GROUP_PREFIX) or agents.claim(group.group_id):
-                self.policy.on_scored(group.group_id, group, now)
+                self.policy.on_scored(group.group_id, self._put(group, rewarded=True), now)
         for group_id, reason in self.gateway.take_dropped():
             if agents is not None and agents.claim(group_id):
                 self.policy.on_dropped(reason, [group_id])
@@ -226,12 +227,18 @@ class RolloutWorker:
         else:
             self.decoding.start_group(group_id, prompt, expected_length)
 
-    def _collect_scored(self, block: bool = False) -> None:
-        """Hand the policy the scoring tasks that finished, as object refs (the controller resolves them)."""
-        done = self.router.collect(block)
-        now = time.monotonic()
-        for group_id, item in done:
-            self.policy.on_scored(group_id, item, now)
+    def _put(self, group: TrajectoryGroup, rewarded: bool = False) -> GroupHeader:
+        """Keep a finished group in the outbox and return its header, without the tokens, for the controller."""
+        self.outbox[group.group_id] = group
+        return dataclasses.replace(GroupHeader.of(group, rewarded=rewarded), group=None)
+
+    def take_groups(self, group_ids: list[str]) -> TrajectoryGroup | tuple[TrajectoryGroup, ...]:
+        """The outbox's groups, one return each (the controller calls it with num_returns=len(group_ids), in the
+        OUTBOX concurrency group, while `run` goes on). The caller owns a task's returns: so the controller owns
+        each group, which outlives this worker, while its tokens stay in this node's object store, put once,
+        until a reader (a reward worker, a token scorer, the learner) fetches them."""
+        groups = tuple(self.outbox.pop(g) for g in group_ids)
+        return groups[0] if len(groups) == 1 else groups
 
     def _check_watch(self) -> None:
         """Read the long poll's answer locally (no controller call) and keep one open."""
@@ -243,11 +250,9 @@ class RolloutWorker:
 
     def _sync(self, stats: dict, start: float) -> None:
         request = self.policy.request(time.monotonic(), self._in_flight(), self._report(stats, start))
-        self.router.stamp(request)
+        request.outbox = ray.get_runtime_context().current_actor
         self._last_sync = time.monotonic()
         reply = ray.get(self.controller.sync.remote(request))
-        for reason, group_ids in self.router.on_reply(request, reply).items():
-            self.policy.on_dropped(reason, group_ids)
         for group_id, prompt in self.policy.on_reply(reply):
             self._start(group_id, prompt, reply.expected_lengths.get(group_id, 0.0))
 
@@ -260,18 +265,13 @@ class RolloutWorker:
         self._last_sync = time.monotonic()
         stats = {"generate_s": 0.0, "idle_s": 0.0, "tokens": 0, "groups": 0, "steps": 0}
         start = time.perf_counter()
-        policy, decoding, router = self.policy, self.decoding, self.router
+        policy, decoding = self.policy, self.decoding
         while True:
             if stats["steps"] % cfg.rollout.weight_sync_interval_steps == 0 or not decoding.active:
                 self._check_watch()
-            self._collect_scored()
             if self.gateway is not None:
                 self._take_sessions()
-            now = time.monotonic()
-            # groups waiting for a live reward, token-scoring or critic worker: ask every fault.health_check_s for
-            # the new lists (a worker starved of budget would otherwise never call, and its groups would wait forever)
-            if policy.sync_due(now, self._in_flight()) or (
-                    router.unsent and now - self._last_sync >= cfg.fault.health_check_s):
+            if policy.sync_due(time.monotonic(), self._in_flight()):
                 self._sync(stats, start)
             if policy.stopped:
                 break
@@ -289,7 +289,7 @@ class RolloutWorker:
                 for group in groups:
                     stats["groups"] += 1
                     stats["tokens"] += sum(len(t.response_token_ids) for t in group.trajectories)
-                    router.send(group)
+                    policy.on_scored(group.group_id, self._put(group), time.monotonic())
             else:
                 t0 = time.perf_counter()
                 time.sleep(0.003)
@@ -304,21 +304,16 @@ class RolloutWorker:
             self._take_sessions()
         if self.probing is not None:
             self.probing.finish()  # only the probe is left in the engine: score it, for this report
-        self._collect_scored(block=True)
-        # groups still waiting for a live reward, token-scoring or critic worker, or whose scoring did not end in time,
-        # are dropped
-        for reason, group_ids in router.give_up().items():
-            policy.on_dropped(reason, group_ids)
         report = self._report(stats, start)
-        request = router.stamp(policy.final_request(aborted, report))
-        request.final = True
+        request = policy.final_request(aborted, report)
+        request.final, request.outbox = True, ray.get_runtime_context().current_actor
         ray.get(self.controller.sync.remote(request))
         return report
 
     def _report(self, stats: dict, start: float) -> dict:
         wall = time.perf_counter() - start
         return {**stats, "wall_s": wall, "sync_s": self.sync_seconds, "version": self.version,
-                "versions_seen": list(self.policy.versions_seen), **self.router.counts,
+                "versions_seen": list(self.policy.versions_seen),
                 "weight_probes": self.weight_probes(),
                 **(self.prefix_cache.counts if self.prefix_cache is not None else {}),
                 **({"tools": self.agent.report()} if self.agent is not None else {}),

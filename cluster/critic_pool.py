@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 class CriticPool(WorkerPool):
     name = "critic"
-    rollout_arg = "critic_workers"
+    scores = True
 
     @classmethod
     def launch_size(cls, cfg: RunConfig) -> int:
@@ -43,11 +43,9 @@ class CriticPool(WorkerPool):
                                      join=False)
 
     def ready(self) -> None:
-        """Join the ranks' group; no group is scored before the run starts, so the controller knows their ids
-        before any can fail."""
+        """Join the ranks' group."""
         if self.group is not None:
             self.group.join()
-            ray.get(self.ctx.controller.set_critic_actor_ids.remote(self.group.actor_ids()))
 
     def handles(self) -> list:
         return self.group.workers if self.group is not None else []
@@ -70,9 +68,8 @@ class CriticPool(WorkerPool):
         self.check()
 
     def replace(self, index: int, err: BaseException) -> None:
-        """Restart the whole critic group; the controller learns the new ranks' ids (a group that meets an old one
-        is handed back for re-sending, not taken for a reward worker's failure) and the rollout workers get the new
-        handles with their next `sync` reply."""
+        """Restart the whole critic group; the controller's scoring stage takes the new ranks (groups waiting for
+        values go on with them)."""
         cfg, start = self.cfg, time.monotonic()
         log.warning("critic worker %d of critic.num_workers=%d died (%s); restarting the critic group", index,
                     cfg.critic.num_workers, type(err).__name__)
@@ -88,7 +85,6 @@ class CriticPool(WorkerPool):
             raise WorkerLost(f"the critic group did not restart after rank {index} died: {err}") from err
         self.replaced += 1
         limit = cfg.fault.worker_start_timeout_s
-        ray.get(self.ctx.controller.set_critic_actor_ids.remote(self.group.actor_ids()), timeout=limit)
         ray.get(self.ctx.controller.set_model_workers.remote("critic", self.group.workers), timeout=limit)
         self.restart_seconds.append(time.monotonic() - start)
 

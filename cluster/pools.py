@@ -1,5 +1,6 @@
 """The run's roles, declared once: the trainer builds, starts and waits for a pool per role in this order, the
-supervisor checks them, and the rollout workers are given the live lists of every role that scores groups.
+supervisor checks them, and the controller's scoring stage is given the live lists of every role that scores
+groups.
 
 A new role is a pool class (a `ScoringPool` subclass when its workers score groups on their way to the queue, as
 the reward workers below) added to ROLES, plus its config section. A frozen model that scores every response
@@ -26,7 +27,6 @@ class RewardPool(ScoringPool):
 
     name = "reward"
     actor = RewardWorker
-    rollout_arg = "reward_workers"
     counter_metrics = staticmethod(reward_worker_metrics)
     placement_options = staticmethod(reward_options)
 
@@ -117,7 +117,12 @@ def check_roles(cfg: RunConfig, model_path: str) -> None:
 
 def start_pools(ctx: PoolContext) -> dict[str, WorkerPool]:
     """A pool per role, each role's actors started (none waited for); also kept in `ctx.pools`."""
+    import ray
+
     for role in ROLES:
+        if role is RolloutPool:  # every scoring worker has a handle now: the stage scores the first group
+            ray.get(ctx.controller.set_scoring_workers.remote(ctx.scoring_lists()),
+                    timeout=ctx.cfg.fault.worker_start_timeout_s)
         pool = ctx.pools[role.name] = role(ctx)
         pool.start()
     return ctx.pools

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import ray
 
-from actors.rollout_worker import RolloutWorker
+from actors.rollout_worker import OUTBOX, RolloutWorker
 from cluster.ray_setup import rollout_options
 from cluster.scale_requests import check_size
 from cluster.worker_pool import WorkerIds, WorkerLost, WorkerPool, resize_plan, start_failures
@@ -94,11 +94,10 @@ class RolloutPool(WorkerPool):
         """A shrink under way (begin_drain), until finish_drain stops its workers."""
 
     def build(self, index: int, worker_id: int):
-        """A rollout worker in slot `index`'s bundle under controller id `worker_id`, given the live lists of every
-        scoring pool (reward, reference, critic)."""
+        """A rollout worker in slot `index`'s bundle under controller id `worker_id`: it knows only the controller."""
         ctx = self.ctx
-        return ray.remote(RolloutWorker).options(**self.actor_options(index)).remote(
-            self.cfg, worker_id, ctx.model_path, ctx.controller, **ctx.scoring_lists())
+        return ray.remote(**OUTBOX)(RolloutWorker).options(**self.actor_options(index)).remote(
+            self.cfg, worker_id, ctx.model_path, ctx.controller)
 
     def start(self) -> None:
         self.workers.extend(self.build(i, self.ids.ids[i]) for i in range(self.size))

@@ -14,6 +14,7 @@ from collections import Counter
 
 import ray
 
+from cluster.group_fetch import LOST, fetch_groups
 from cluster.gateway_endpoints import session_totals, stall_message, waiting_line
 from cluster.worker_pool import WorkerLost, WorkerPool
 from protocols.config import RunConfig
@@ -75,7 +76,7 @@ class Supervisor:
             pool.ensure_alive()
 
     def wait_batch(self, version: int) -> tuple[list[TrajectoryGroup], float]:
-        """The next training batch (a long poll on the controller), checking worker health every
+        """The next training batch (a long poll on the controller, then its tokens fetched by ref), checking worker health every
         fault.health_check_s and logging what it waits for every fault.wait_log_s. Fails after
         fault.batch_timeout_s without one (time spent replacing workers excluded)."""
         fault = self.cfg.fault
@@ -88,10 +89,14 @@ class Supervisor:
             self.check()
             if sum(self.replaced.values()) > before:
                 deadline += time.monotonic() - t0  # a replacement's start does not count against the batch
-            groups = ray.get(self.controller.wait_batch.remote(version, fault.health_check_s),
-                             timeout=fault.health_check_s + fault.worker_start_timeout_s)
-            if groups is not None:
-                return groups, time.perf_counter() - start
+            headers = ray.get(self.controller.wait_batch.remote(version, fault.health_check_s),
+                              timeout=fault.health_check_s + fault.worker_start_timeout_s)
+            if headers is not None:
+                groups, lost = fetch_groups(headers, fault.worker_start_timeout_s)
+                if lost:
+                    ray.get(self.controller.count_lost.remote(LOST, lost), timeout=fault.worker_start_timeout_s)
+                if groups:
+                    return groups, time.perf_counter() - start
             now = time.monotonic()
             if now > deadline:
                 raise TimeoutError(stall_message(self.cfg, version, *self._wait_state()))

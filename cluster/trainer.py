@@ -1,7 +1,8 @@
 """The training driver: a linear recipe that wires the actor groups and runs the learner loop.
 
-prompts -> rollout workers -> reward workers -> controller's replay queue -> learner -> versioned weights ->
-rollout workers. The driver never asks a rollout worker for data: batches come only from the queue.
+prompts -> rollout workers -> the controller's scoring stage (reward workers, token scorers, critic) -> its replay
+queue -> learner -> versioned weights -> rollout workers. Tokens are put once where they were made; the queue
+holds refs, and the driver fetches a batch's tokens by ref. The driver never asks a rollout worker for data: batches come only from the queue.
 """
 
 import json
@@ -106,7 +107,8 @@ class Trainer:
             num_cpus=0, max_concurrency=max(1000, 2 * cfg.rollout.num_workers + 64), **gpu_visibility(0)).remote(
             self.train_prompts, cfg.learner.prompts_per_step, cfg.train.max_staleness,
             cfg.algorithm.dynamic_sampling, cfg.train.seed, cfg.rollout.num_workers,
-            length_aware=cfg.rollout.length_aware_dispatch, from_data=not cfg.gateway.outside_only)
+            length_aware=cfg.rollout.length_aware_dispatch, from_data=not cfg.gateway.outside_only,
+            max_rescore_attempts=cfg.fault.max_rescore_attempts, scoring_timeout_s=cfg.fault.batch_timeout_s)
         # A pool per role (cluster/pools.py). Every role's actors start, none waited for, while the learner group
         # starts here; then each pool waits for its own, the critic's ranks first (they join their group). The starts
         # overlap: an engine start and a DeepSpeed group start each take tens of seconds, much of it waiting.

@@ -141,12 +141,10 @@ class PoolContext:
     pools: dict[str, "WorkerPool"] = field(default_factory=dict)
     """Every pool of the run by role, in start order."""
 
-    def scoring_lists(self) -> dict:
-        """RolloutWorker keyword -> live handles of every pool whose workers score groups in the stream; the
-        token-scoring roles (reference, teacher) together under `scorers`, by role."""
-        pools = self.pools.values()
-        return {**{p.rollout_arg: p.handles() for p in pools if p.rollout_arg},
-                "scorers": {p.name: p.handles() for p in pools if getattr(p, "token_scorer", False)}}
+    def scoring_lists(self) -> dict[str, list]:
+        """Role -> live handles of every pool whose workers score groups on their way to the queue (reward,
+        reference, teacher, critic), as the controller's scoring stage takes them."""
+        return {p.name: p.handles() for p in self.pools.values() if p.scores}
 
 
 class WorkerPool:
@@ -157,11 +155,11 @@ class WorkerPool:
     """The role: `fault/replaced_<name>`, summary.json's `replaced_workers`, the errors."""
     probe: ClassVar[str] = "ping"
     """The method `ensure_alive` calls on every worker."""
-    rollout_arg: ClassVar[str | None] = None
-    """The RolloutWorker keyword its live handles go to, for a role that scores groups in the stream."""
+    scores: ClassVar[bool] = False
+    """Its workers score groups on their way to the queue: their live handles go to the controller's scoring
+    stage under the role's name (actors/scoring_stage.py)."""
     token_scorer: ClassVar[bool] = False
-    """A frozen model that scores every response token in the stream (protocols.trajectory.TOKEN_SCORERS): its
-    live handles go to the rollout workers' router under its name."""
+    """A frozen model that scores every response token in the stream (protocols.trajectory.TOKEN_SCORERS)."""
     counter_metrics: ClassVar[Callable | None] = None
     """protocols/metrics.py function of the workers' raw `counters()`, for a role that keeps some."""
     placement_options: ClassVar[Callable[[RunConfig, Placement | None, int], dict] | None] = None
@@ -351,9 +349,10 @@ class WorkerPool:
 
 class ScoringPool(WorkerPool):
     """Workers that score groups on their way to the queue, each on its own (reward, reference; a teacher): the
-    rollout workers send to the live list the controller hands out. A subclass names the actor class, its
+    controller's scoring stage sends to the live list the driver sets. A subclass names the actor class, its
     constructor arguments and the controller call that sets the live list."""
 
+    scores = True
     actor: ClassVar[type]
 
     def actor_args(self, index: int) -> tuple:
@@ -370,9 +369,9 @@ class ScoringPool(WorkerPool):
         self.workers.extend(self.build(i) for i in range(self.size))
 
     def replace(self, index: int, err: BaseException) -> None:
-        """A new worker in the dead one's slot (and bundle); the rollout workers get the live list with their next
-        `sync` reply, and the groups whose scoring died come back to them for re-scoring (at most
-        fault.max_rescore_attempts times, actors/score_router.py)."""
+        """A new worker in the dead one's slot (and bundle); the controller's scoring stage takes the live list, and
+        the groups whose scoring died are sent to it again (at most fault.max_rescore_attempts times,
+        actors/scoring_stage.py)."""
         start = time.monotonic()
         log.warning("%s worker %d died (%s); starting a replacement", self.name, index, type(err).__name__)
         self._allow(index, err)

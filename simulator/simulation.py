@@ -384,12 +384,11 @@ class Simulation(ToolTurns):
         if batch is None:
             return
         v = self.learner_version
-        for group in batch:
-            for t in group.trajectories:
-                if t.min_version < v - self.cfg.max_staleness:  # the trainer's own check
-                    raise RuntimeError(f"the queue returned a sample of version {t.min_version} to learner {v}")
-                self.max_lag = max(self.max_lag, v - t.min_version)
-                self.min_lag = min(self.min_lag, v - t.max_version)
+        for group in batch:  # headers: a group's oldest and newest token versions span its samples'
+            if group.min_version < v - self.cfg.max_staleness:  # the trainer's own check
+                raise RuntimeError(f"the queue returned a sample of version {group.min_version} to learner {v}")
+            self.max_lag = max(self.max_lag, v - group.min_version)
+            self.min_lag = min(self.min_lag, v - group.max_version)
             self.trained_ids.append(group.group_id)
         tokens = sum(self.tokens_of[g.group_id] for g in batch)
         seconds = self.cfg.learner_fixed_seconds + self.cfg.learner_seconds_per_token * tokens

@@ -9,6 +9,7 @@ from actors.controller import RolloutController
 from actors.controller_messages import SyncRequest
 from actors.decode_loop import DecodeLoop
 from actors.length_history import LengthHistory
+from protocols.group_header import GroupHeader
 from protocols.config import RolloutConfig
 from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup
 from simulator.dispatch import GroupDispatch
@@ -29,8 +30,8 @@ def test_length_history_prefers_the_hint_then_the_prompts_own_groups_then_the_me
     history = LengthHistory()
     a, b = Prompt(prompt_id="a", prompt_token_ids=[1]), Prompt(prompt_id="b", prompt_token_ids=[1])
     assert history.expected(a) == 0.0  # nothing seen yet
-    history.record(group_of("g0", a, [10, 30]))  # mean 20
-    history.record(group_of("g1", a, [40, 40]))  # newest weighted half: (20 + 40) / 2 = 30
+    history.record(GroupHeader.of(group_of("g0", a, [10, 30])))  # mean 20
+    history.record(GroupHeader.of(group_of("g1", a, [40, 40])))  # newest weighted half: (20 + 40) / 2 = 30
     assert history.expected(a) == 30.0
     assert history.expected(b) == 30.0  # unseen: mean over the groups seen, (20 + 40) / 2
     hinted = Prompt(prompt_id="a", prompt_token_ids=[1], metadata={"length_hint": 500})

@@ -82,7 +82,7 @@ def test_take_waits_for_a_full_batch_and_keeps_groups_whole():
     q.put(make_group("b", [0, 1], 0))
     batch = q.take(2, learner_version=0)
     assert [g.group_id for g in batch] == ["a", "b"]
-    assert all(len(g.trajectories) == 2 for g in batch)
+    assert all(g.num_samples == 2 and g.inline().trajectories[1].sample_index == 1 for g in batch)
 
 
 def test_staleness_bound_in_versions():

@@ -35,7 +35,7 @@ def trained_trajectories(cfg: SimulatorConfig) -> list:
 
     sim.controller.take_batch = capture
     sim.run()
-    return [t for group in taken for t in group.trajectories]
+    return [t for group in taken for t in group.inline().trajectories]
 
 
 def test_async_multi_turn_keeps_09_of_ideal_with_tool_calls_of_10_decode_steps():

@@ -33,110 +33,86 @@ def test_a_dead_workers_id_is_retired_and_its_groups_counted_under_the_reason():
     assert s["queue/admitted"] == s["queue/received"] + s["queue/leased"] == 5  # 3 dropped + 2 leased
 
 
-def test_a_new_reward_worker_list_reaches_workers_behind_it():
-    from actors.controller import SyncRequest
+def test_the_driver_sets_each_roles_live_list_on_the_controllers_scoring_stage():
     from tests.test_control_plane import controller
 
     c = controller()
-    assert c.sync(SyncRequest(worker_id=0, version=0)).reward_workers is None  # nothing replaced yet
-    assert c.set_reward_workers(["r0", "r1"]) == 1
-    assert c.sync(SyncRequest(worker_id=0, version=0, reward_generation=0)).reward_workers == (1, ["r0", "r1"])
-    assert c.sync(SyncRequest(worker_id=0, version=0, reward_generation=1)).reward_workers is None
-
-
-def test_new_reference_and_critic_lists_reach_workers_behind_them():
-    from actors.controller import SyncRequest
-    from tests.test_control_plane import controller
-
-    c = controller()
-    assert c.sync(SyncRequest(worker_id=0, version=0)).model_workers is None  # nothing replaced yet
-    assert c.set_model_workers("reference", ["ref0"]) == 1
-    assert c.set_model_workers("critic", ["c0", "c1"]) == 2
-    # one reply carries both lists; a worker already at generation 2 gets nothing
-    assert c.sync(SyncRequest(worker_id=0, version=0, model_generation=1)).model_workers == (
-        2, {"reference": ["ref0"], "critic": ["c0", "c1"]})
-    assert c.sync(SyncRequest(worker_id=0, version=0, model_generation=2)).model_workers is None
+    c.set_scoring_workers({"reward": ["r0"], "reference": ["ref0"], "critic": []})
+    assert c.set_reward_workers(["r0", "r1"]) == 2  # a replacement: the role's second list
+    assert c.set_model_workers("reference", ["ref1"]) == 2 and c.set_model_workers("critic", ["c0", "c1"]) == 2
+    assert c.stage.workers == {"reward": ["r0", "r1"], "reference": ["ref1"], "teacher": [], "critic": ["c0", "c1"]}
+    with pytest.raises(ValueError, match="unknown scoring role 'judge'"):
+        c.set_model_workers("judge", ["j0"])
 
 
 @ray.remote(num_cpus=0)
 class StandInScorer:
-    """A reward and reference worker stand-in: the same group and log-probs for every group id."""
+    """A reward and reference worker stand-in with the methods the scoring stage calls."""
 
-    def score(self, group_id):
-        from tests.test_replay_queue import make_group
+    def score_group(self, group):
+        return [float(i % 2) for i in range(len(group.trajectories))], [None] * len(group.trajectories)
 
-        return make_group(group_id, [1, 0], 0)
+    def score_rows(self, group):
+        return len(group.trajectories), [[-1.0] * len(t.response_token_ids) for t in group.trajectories]
 
-    def ref_logprobs(self, group_id):
-        from tests.test_replay_queue import make_group
-
-        return [[-1.0] * len(t.response_token_ids) for t in make_group(group_id, [1, 0], 0).trajectories]
+    def ping(self):
+        return 0
 
 
-def controller_with_three_leased_groups():
-    """(controller actor, the 3 group ids it granted worker 0, a dead scorer, a live scorer)."""
+def unscored_header(group_id: str):
+    """The header a rollout worker hands over for `group_id`, its group put in the object store."""
+    from protocols.group_header import GroupHeader
+    from tests.test_replay_queue import make_group
+
+    group = make_group(group_id, [0, 0], 0)
+    return GroupHeader.of(group, ray.put(group))
+
+
+def stats_once(actor, done, timeout_s: float = 30.0) -> dict:
+    """The controller's stats once `done(stats)` holds (the stage scores in the background)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not done(stats := ray.get(actor.stats.remote())) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return stats
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("role", ["reward", "reference"])
+def test_the_scoring_stage_sends_a_dead_workers_group_to_a_live_one_then_drops_it(ray_cluster, role):
+    """One rule for every role: the task of a dead worker goes to the live one of its role (counted
+    `rescored_<role>_worker_died`); with none left alive after fault.max_rescore_attempts sends, the group is
+    dropped `<role>_worker_died`. The group's lease moved to the stage at hand-over: the rollout worker's death
+    would not drop it. The run goes on (no fatal error)."""
     from actors.controller import ControllerActor, SyncRequest
     from tests.test_replay_queue import make_prompts
 
     dead = StandInScorer.remote()
-    ray.get(dead.score.remote("warm"))
+    ray.get(dead.ping.remote())
     ray.kill(dead)
     live = StandInScorer.remote()
-    actor = ray.remote(ControllerActor).options(num_cpus=0).remote(make_prompts(20), 2, 1, False, 0, 1)
-    granted = [g for g, _ in ray.get(actor.sync.remote(SyncRequest(worker_id=0, version=0, want=3))).granted]
-    return actor, granted, dead, live
-
-
-@pytest.mark.slow
-def test_controller_hands_back_groups_whose_reward_worker_died(ray_cluster):
-    from actors.controller import SyncRequest
-
-    actor, granted, dead, live = controller_with_three_leased_groups()
+    actor = ray.remote(ControllerActor).options(num_cpus=0).remote(make_prompts(20), 2, 1, False, 0, 1,
+                                                                     max_rescore_attempts=1, scoring_timeout_s=3.0)
     try:
-        scored = [(granted[0], live.score.remote(granted[0])), (granted[1], dead.score.remote(granted[1]))]
-        reply = ray.get(actor.sync.remote(SyncRequest(worker_id=0, version=0, scored=scored)))
-        # the dead worker's group comes back for re-scoring with its lease kept; the live one is queued
-        assert reply.rescore == [granted[1]]
-        stats = ray.get(actor.stats.remote())
-        assert stats["queue/depth"] == 1 and stats["queue/leased"] == 2  # g1 (re-scoring) and g2 (not sent)
-        assert stats["queue/rescored_reward_worker_died"] == 1 and "queue/dropped_reward_failed" not in stats
-        # on a worker's final call the same failure cannot be retried: dropped under its own reason
-        final = SyncRequest(worker_id=0, version=0, final=True, scored=[(granted[2], dead.score.remote(granted[2]))],
-                            dropped={"aborted_at_stop": [granted[1]]})
-        assert ray.get(actor.sync.remote(final)).rescore == []
-        stats = ray.get(actor.stats.remote())
-        assert stats["queue/dropped_reward_worker_died"] == 1 and stats["queue/leased"] == 0
-        assert stats["queue/admitted"] == stats["queue/depth"] + 2  # 1 queued + 1 aborted + 1 reward_worker_died
-    finally:
-        ray.kill(actor)
-        ray.kill(live)
-
-
-@pytest.mark.slow
-def test_controller_hands_back_groups_whose_reference_worker_died(ray_cluster):
-    from actors.controller import SyncRequest
-    from actors.stream_join import StreamedGroup
-
-    actor, g, dead, live = controller_with_three_leased_groups()
-    try:
-        # reward scoring lives; the reference scoring of g1 died with its worker
-        scored = [(g[0], StreamedGroup(live.score.remote(g[0]), {"reference": (live.ref_logprobs.remote(g[0]), 0)})),
-                  (g[1], StreamedGroup(live.score.remote(g[1]), {"reference": (dead.ref_logprobs.remote(g[1]), 1)}))]
-        reply = ray.get(actor.sync.remote(SyncRequest(worker_id=0, version=0, scored=scored)))
-        # handed back (lease kept) for reward and reference again; not a reward worker's death, not fatal
-        assert reply.rescore_model == {"reference": [g[1]]} and reply.rescore == []
-        stats = ray.get(actor.stats.remote())
-        assert stats["queue/depth"] == 1 and stats["queue/leased"] == 2
-        assert stats["queue/rescored_reference_worker_died"] == 1 and stats["queue/rescored_reward_worker_died"] == 0
-        # on the final call it is dropped under its own reason
-        final = SyncRequest(worker_id=0, version=0, final=True, dropped={"aborted_at_stop": [g[2]]},
-                            scored=[(g[1], StreamedGroup(live.score.remote(g[1]),
-                                                         {"reference": (dead.ref_logprobs.remote(g[1]), 1)}))])
-        assert ray.get(actor.sync.remote(final)).rescore_model == {}
-        stats = ray.get(actor.stats.remote())
-        assert stats["queue/dropped_reference_worker_died"] == 1 and stats["queue/leased"] == 0
-        assert stats["queue/admitted"] == stats["queue/depth"] + 2
-        assert ray.get(actor.wait_batch.remote(0, 0.1)) is None  # no fatal error: the run goes on
+        g = [g for g, _ in ray.get(actor.sync.remote(SyncRequest(worker_id=0, version=0, want=3))).granted]
+        lists = {"reward": [live], "reference": [live]}
+        ray.get(actor.set_scoring_workers.remote({**lists, role: [dead, live]}))
+        ray.get(actor.sync.remote(SyncRequest(worker_id=0, version=0, scored=[(x, unscored_header(x)) for x in g[:2]])))
+        assert ray.get(actor.release_worker.remote(0)) == [g[2]]  # the worker died: only the group it still held
+        stats = stats_once(actor, lambda s: s["queue/depth"] == 2)
+        assert stats["queue/depth"] == 2 and stats["queue/scoring"] == 0
+        assert stats[f"queue/rescored_{role}_worker_died"] == 1  # at most one of the two met the dead worker first
+        # only dead workers left: one more send, then no live worker within scoring_timeout_s: dropped under the
+        # role's reason
+        ray.get(actor.set_scoring_workers.remote({**lists, role: [dead]}))
+        ray.get(actor.sync.remote(SyncRequest(worker_id=1, version=0, want=1)))
+        ray.get(actor.sync.remote(SyncRequest(worker_id=1, version=0, scored=[("g3", unscored_header("g3"))])))
+        stats = stats_once(actor, lambda s: s.get(f"queue/dropped_{role}_worker_died", 0) == 1)
+        assert stats[f"queue/dropped_{role}_worker_died"] == 1 and stats["queue/leased"] == 0
+        assert stats["queue/admitted"] == stats["queue/depth"] + 2  # 2 queued, 1 worker_lost, 1 dropped
+        # no fatal error: the run goes on
+        assert {h.group_id for h in ray.get(actor.wait_batch.remote(0, 0.1))} == set(g[:2])
     finally:
         ray.kill(actor)
         ray.kill(live)

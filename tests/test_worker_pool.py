@@ -87,9 +87,9 @@ def test_every_role_has_a_pool_sized_by_its_config_and_the_rollout_pool_starts_l
 class StandInPool:
     """A pool's face to the supervisor and the rollout workers, without actors."""
 
-    def __init__(self, name: str, handles: list, replaced: int = 0, rollout_arg: str | None = None,
+    def __init__(self, name: str, handles: list, replaced: int = 0, scores: bool = False,
                  calls: list | None = None) -> None:
-        self.name, self._handles, self.replaced, self.rollout_arg = name, handles, replaced, rollout_arg
+        self.name, self._handles, self.replaced, self.scores = name, handles, replaced, scores
         self.restart_seconds = [1.5] * replaced
         self.calls = calls if calls is not None else []
         self.resent_publishes = 0
@@ -105,7 +105,7 @@ class StandInPool:
 def test_the_supervisor_loops_over_pools_in_order_and_counts_by_role():
     calls: list[str] = []
     pools = {"critic": StandInPool("critic", [], calls=calls),
-             "reward": StandInPool("reward", ["r0", "r1"], replaced=2, rollout_arg="reward_workers", calls=calls),
+             "reward": StandInPool("reward", ["r0", "r1"], replaced=2, scores=True, calls=calls),
              "rollout": StandInPool("rollout", ["w0"], replaced=1, calls=calls)}
     sup = Supervisor(load_config(None, []), controller=None, pools=pools)
     sup.check()
@@ -118,9 +118,9 @@ def test_the_supervisor_loops_over_pools_in_order_and_counts_by_role():
                              "fault/start_failures_critic": 0.0, "fault/start_failures_reward": 0.0,
                              "fault/start_failures_rollout": 1.0}
     assert sup.restart_seconds == [1.5, 1.5, 1.5] and sup.workers("reward") == ["r0", "r1"]
-    # what a new rollout worker is given: every pool that scores groups, by its RolloutWorker keyword
+    # what the controller's scoring stage is given: every pool that scores groups, by role
     ctx = PoolContext(load_config(None, []), controller=None, placement=None, model_path="unused", pools=pools)
-    assert ctx.scoring_lists() == {"reward_workers": ["r0", "r1"], "scorers": {}}
+    assert ctx.scoring_lists() == {"reward": ["r0", "r1"]}
 
 
 def test_a_retired_worker_gets_no_new_groups_and_its_groups_still_come_back():

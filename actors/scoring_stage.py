@@ -1,0 +1,212 @@
+"""The scoring stage: between a rollout worker's hand-over and the replay queue, inside the controller.
+
+A group arrives as a header (protocols/group_header.py) holding the ref of its tokens. The stage sends that ref
+to one worker of every role the run has: a reward worker (unless the group came with its rewards: a session's),
+which returns the samples' rewards and results; each token scorer (reference, teacher), which returns its rows;
+the critic (PPO), which returns its values. Ray resolves the ref in each worker, so the tokens go from the object
+store to the workers that read them, and the rows stay in the object store until a learner reads them: the stage
+awaits only each task's small first return (a count, a version), never the rows.
+
+One rule for every role:
+- a worker that died is marked dead (the driver replaces it, cluster/supervisor.py, and the stage takes the new
+  list with `set_workers`); the role's task is sent to a live worker, at most `max_attempts` more times, then the
+  group is dropped `<role>_worker_died` (the critic's: `critic_failed`);
+- a task that raises without its worker dying would raise again (a forward out of memory, a configure hook that
+  failed): the run stops at once, with the error and the settings to change (`on_fatal`);
+- every wait is bounded by `timeout_s`: a task that does not answer drops its group `scoring_timeout`; a role
+  without a live worker for that long drops it `<role>_worker_died`.
+
+The stage is the one owner of which scoring workers are alive. It is plain Python over asyncio: the controller
+actor runs it on its event loop, and the unit tests with stand-in workers (`call`).
+"""
+
+import asyncio
+import logging
+from collections import Counter
+from typing import Any, Awaitable, Callable
+
+from protocols.group_header import VALUES, GroupHeader
+from protocols.trajectory import TOKEN_SCORERS
+
+log = logging.getLogger(__name__)
+
+REWARD = "reward"
+ROLES = (REWARD, *TOKEN_SCORERS, VALUES)
+"""Every scoring role, in the order a group's tasks are sent."""
+
+METHODS = {REWARD: ("score_group", 1), **{role: ("score_rows", 2) for role in TOKEN_SCORERS}, VALUES: ("values_rows", 2)}
+"""Role -> (worker method, number of returns). With two returns the first is small (awaited: the row count, the
+critic's version) and the second is the rows' ref, which the stage passes on unresolved."""
+
+
+def ray_call(worker: Any, method: str, num_returns: int, payload: Any) -> Any:
+    """`worker.method(payload)` as a Ray task: one ref, or a list of `num_returns` refs."""
+    handle = getattr(worker, method)
+    return (handle.remote(payload) if num_returns == 1
+            else handle.options(num_returns=num_returns).remote(payload))
+
+
+def worker_died(error: BaseException) -> bool:
+    """Whether a task failed because its actor died (then it is worth sending to a live one)."""
+    import ray
+
+    return isinstance(error, ray.exceptions.RayActorError)
+
+
+def drop_reason(role: str) -> str:
+    return "critic_failed" if role == VALUES else f"{role}_worker_died"
+
+
+class ScoringStage:
+    """The live workers of every scoring role and the groups being scored."""
+
+    def __init__(self, max_attempts: int, timeout_s: float, on_scored: Callable[[GroupHeader], None],
+                 on_dropped: Callable[[str, str], None], on_fatal: Callable[[str], None],
+                 call: Callable[[Any, str, int, Any], Any] = ray_call,
+                 died: Callable[[BaseException], bool] = worker_died) -> None:
+        self.max_attempts = max_attempts
+        self.timeout_s = timeout_s
+        self.on_scored, self.on_dropped, self.on_fatal = on_scored, on_dropped, on_fatal
+        self._call, self._died = call, died
+        self.workers: dict[str, list] = {role: [] for role in ROLES}
+        """Role -> its live handles, as the driver last set them."""
+        self.generation: Counter[str] = Counter()
+        """Role -> lists set so far: a death seen on an older list does not mark an index of the newer one."""
+        self.dead: dict[str, set[int]] = {role: set() for role in ROLES}
+        self._turn: Counter[str] = Counter()
+        self._changed: asyncio.Event | None = None
+        self.pending: dict[str, asyncio.Task] = {}
+        """group_id -> its scoring task, until it is queued or dropped."""
+        self.counts: Counter[str] = Counter({f"rescored_{drop_reason(role)}": 0 for role in ROLES})
+        """`rescored_<reason>`: tasks sent again after their worker died, by the reason the group would drop with."""
+
+    # --- workers ----------------------------------------------------------------------------------------------
+    def set_workers(self, role: str, workers: list) -> int:
+        """The live list of `role` (at start, after a replacement, after a critic restart). Groups waiting for
+        a worker of the role go on. Returns the role's new generation."""
+        if role not in self.workers:
+            raise ValueError(f"unknown scoring role {role!r}; the roles are {list(ROLES)}")
+        self.workers[role] = list(workers)
+        self.dead[role] = set()
+        self.generation[role] += 1
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+        return self.generation[role]
+
+    def roles_for(self, header: GroupHeader) -> list[str]:
+        """The roles that score this group: the reward unless it came rewarded, and every other role that runs."""
+        return [role for role in ROLES if (role != REWARD or not header.rewarded) and
+                (self.workers[role] or role == REWARD)]
+
+    def _live(self, role: str) -> list[int]:
+        return [i for i in range(len(self.workers[role])) if i not in self.dead[role]]
+
+    async def _pick(self, role: str, deadline: float) -> tuple[int, int] | None:
+        """(index, generation) of the next live worker of `role` (round robin), waiting for a new list while
+        none is alive; None when none came before `deadline`."""
+        loop = asyncio.get_running_loop()
+        while not (live := self._live(role)):
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._changed.wait(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                return None
+        self._turn[role] += 1
+        return live[self._turn[role] % len(live)], self.generation[role]
+
+    def _mark_dead(self, role: str, index: int, generation: int) -> None:
+        if generation != self.generation[role]:
+            return
+        # a critic rank's death restarts the whole critic group: wait for the new ranks
+        self.dead[role] = set(range(len(self.workers[role]))) if role == VALUES else self.dead[role] | {index}
+
+    # --- groups -----------------------------------------------------------------------------------------------
+    def submit(self, header: GroupHeader) -> None:
+        """Start scoring `header` on the running event loop; it ends queued (`on_scored`) or dropped."""
+        self.pending[header.group_id] = asyncio.get_running_loop().create_task(self._score(header))
+
+    async def _score(self, header: GroupHeader) -> None:
+        try:
+            outcome = await self._run_roles(header)
+        except Exception as err:  # a bug here must not lose the group silently
+            log.exception("scoring group %s failed", header.group_id)
+            outcome = ("fatal", f"scoring group {header.group_id} failed: {type(err).__name__}: {err}")
+        finally:
+            self.pending.pop(header.group_id, None)
+        kind, value = outcome
+        if kind == "scored":
+            self.on_scored(value)
+        else:
+            if kind == "fatal":
+                self.on_fatal(value)
+                value = "scoring_failed"
+            self.on_dropped(value, header.group_id)
+
+    async def _run_roles(self, header: GroupHeader) -> tuple[str, Any]:
+        """("scored", the header with rewards and score refs), ("dropped", reason) or ("fatal", message)."""
+        loop = asyncio.get_running_loop()
+        payload = header.ref if header.ref is not None else header.group
+        attempts: Counter[str] = Counter()
+        done: dict[str, Any] = {}
+        todo = self.roles_for(header)
+        while todo:
+            deadline = loop.time() + self.timeout_s
+            sent: dict[str, tuple[int, int, Any]] = {}
+            for role in todo:
+                pick = await self._pick(role, deadline)
+                if pick is None:
+                    return "dropped", drop_reason(role)
+                method, returns = METHODS[role]
+                sent[role] = (*pick, self._call(self.workers[role][pick[0]], method, returns, payload))
+            waits = [asyncio.wait_for(_first(refs), max(0.0, deadline - loop.time())) for *_, refs in sent.values()]
+            outcomes = await asyncio.gather(*waits, return_exceptions=True)
+            todo = []
+            for (role, (index, generation, refs)), outcome in zip(sent.items(), outcomes):
+                if not isinstance(outcome, BaseException):
+                    done[role] = (outcome, refs)
+                elif isinstance(outcome, asyncio.TimeoutError):
+                    return "dropped", "scoring_timeout"
+                elif self._died(outcome):
+                    self._mark_dead(role, index, generation)
+                    if attempts[role] >= self.max_attempts:
+                        return "dropped", drop_reason(role)
+                    attempts[role] += 1
+                    self.counts[f"rescored_{drop_reason(role)}"] += 1
+                    todo.append(role)
+                else:
+                    return "fatal", failure_message(role, index, header.group_id, outcome)
+        return "scored", _scored(header, done)
+
+
+async def _first(refs: Any) -> Any:
+    """The awaited value of a task's first (or only) return."""
+    return await (refs[0] if isinstance(refs, list) else refs)
+
+
+def _scored(header: GroupHeader, done: dict[str, tuple[Any, Any]]) -> GroupHeader:
+    """`header` with what each role returned: the reward's (rewards, results), the rows' refs, the critic's
+    version."""
+    if REWARD in done:
+        rewards, results = done.pop(REWARD)[0]
+        header = header.scored(rewards, results)
+    scores = {role: refs[1] for role, (_, refs) in done.items()}
+    critic_version = done[VALUES][0] if VALUES in done else header.critic_version
+    return GroupHeader(**{**header.__dict__, "scores": {**header.scores, **scores}, "critic_version": critic_version})
+
+
+def failure_message(role: str, index: int, group_id: str, err: BaseException) -> str:
+    """Why the run stops when a worker of `role` raised on a group without dying, and what to change."""
+    name = "critic" if role == VALUES else role
+    if role == REWARD:
+        fix = ("the scorer gives reward 0 for a verifier's failure, so a raise is the worker's own (its verifier's "
+               "configure hook, an import, reward.verifier): fix it and resume")
+    else:
+        off = ("set reference.num_workers=0 to score the reference inside the learner" if role == "reference"
+               else f"set {name}.num_workers=0 to train without it")
+        fix = (f"if it ran out of memory, lower {name}.max_tokens_per_micro_batch (0 scores in the learner's "
+               f"micro-batches: learner.micro_batch_size or learner.max_tokens_per_micro_batch) or raise "
+               f"{name}.gpus; or {off}")
+    return (f"{name} worker {index} raised on group {group_id}: {type(err).__name__}: {err}. A worker that raises "
+            f"is not retried (the same input would raise again), so the run stops: {fix}")
