@@ -180,17 +180,8 @@ def test_controller_calls_stay_under_one_per_group_plus_a_constant_per_version_a
 
 # --- the Ray actor ------------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_controller_actor_resolves_scored_refs_and_long_polls(ray_cluster):
+def test_controller_actor_queues_handed_over_groups_and_long_polls(ray_cluster):
     ray = ray_cluster
-
-    @ray.remote
-    def scored(group_id):
-        return make_group(group_id, [1, 0], 0)
-
-    @ray.remote
-    def failing():
-        raise RuntimeError("verifier crashed")
-
     actor = ray.remote(ControllerActor).options(num_cpus=0).remote(
         make_prompts(20), 2, 1, False, 0, 1)
     try:
@@ -199,16 +190,18 @@ def test_controller_actor_resolves_scored_refs_and_long_polls(ray_cluster):
         watch = actor.watch.remote(0, 0)
         time.sleep(0.5)
         assert not ray.wait([watch], timeout=0)[0]  # waits for news
-        request = SyncRequest(worker_id=0, version=0, scored=[("g0", scored.remote("g0")), ("g1", failing.remote())])
+        # scored groups held inline (no reward workers: the stage has nothing to run); g1 comes back dropped
+        request = SyncRequest(worker_id=0, version=0, scored=[("g0", make_group("g0", [1, 0], 0))],
+                              dropped={"aborted_at_stop": ["g1"]})
         ray.get(actor.sync.remote(request))
         stats = ray.get(actor.stats.remote())
-        assert stats["queue/depth"] == 1 and stats["queue/dropped_reward_failed"] == 1
+        assert stats["queue/depth"] == 1 and stats["queue/dropped_aborted_at_stop"] == 1
         assert stats["queue/leased"] == 0
         # the driver's long poll: one group queued of the 2 a batch needs, so it times out with None ...
         assert ray.get(actor.wait_batch.remote(0, 0.2)) is None
         batch = actor.wait_batch.remote(0, 30.0)
         granted = ray.get(actor.sync.remote(SyncRequest(worker_id=0, version=0, want=1))).granted
-        ray.get(actor.sync.remote(SyncRequest(worker_id=0, version=0, scored=[(granted[0][0], scored.remote("g2"))])))
+        ray.get(actor.sync.remote(SyncRequest(worker_id=0, version=0, scored=[(granted[0][0], make_group("g2", [1, 0], 0))])))
         # ... and answers as soon as the second one is queued
         assert [g.group_id for g in ray.get(batch, timeout=30)] == ["g0", "g2"]
         ray.get(actor.publish.remote(WeightAnnouncement(version=1, refs=["w1"])))

@@ -9,6 +9,7 @@ import torch
 
 from learner.value_loss import clipped_value_loss
 from protocols.config import ConfigError, load_config
+from protocols.group_header import VALUES, GroupHeader
 from protocols.training_batch import TrainingBatch
 
 
@@ -201,9 +202,13 @@ def test_gae_over_real_critic_values_matches_a_hand_computation(ray_cluster, tin
         for i, r in enumerate(responses)])
     critic = CriticGroup(cfg, tiny_models["untied"])
     try:
-        stamped = __import__("ray").get(critic.workers[0].add_values.remote(group))
+        version, values = __import__("ray").get(critic.workers[0].values_rows.options(num_returns=2).remote(group))
     finally:
         critic.shutdown()
+    # the driver attaches them as the scoring stage left them (protocols/group_header.py)
+    header = GroupHeader.of(group, rewarded=True)
+    header.critic_version = version
+    stamped = header.assemble(group, {VALUES: values})
     t0, t1 = stamped.trajectories
     assert t0.critic_version == t1.critic_version == 0
     assert len(t0.values) == 2 and len(t1.values) == 3

@@ -182,7 +182,7 @@ def test_grpo_run_trains_on_streamed_ref_logprobs_without_a_learner_copy(ray_clu
             resized[record_at.pop(trainer.version)].update({
                 "seconds": done["seconds"], "done": done, "ids": list(trainer.supervisor.rollout_ids),
                 "controller": ray.get(trainer.controller.__ray_call__.remote(
-                    lambda c: (list(c.reward_workers), c.num_workers, sorted(c.lost_workers),
+                    lambda c: (list(c.stage.workers["reward"]), c.num_workers, sorted(c.lost_workers),
                                sorted(c.get_worker_stats())))),
                 "reward_workers": list(trainer.reward_workers)})
         joining = trainer.pools["rollout"].joining
