@@ -1,7 +1,7 @@
 """Critic worker: a Ray actor holding one critic rank (learner/critic_rank.py). Besides training with its group
-(driven by cluster/critic_group.py), it stamps values on scored groups streaming toward the replay queue: a
-rollout worker chains `add_values` onto the reward worker's result ref, so the group goes reward worker ->
-critic worker -> controller without passing through the rollout worker or the driver.
+(driven by cluster/critic_group.py), it computes the values of every group on its way to the replay queue: the
+controller's scoring stage sends it the group's ref beside the reward task (actors/scoring_stage.py), and the values
+stay in the object store until the driver reads them.
 """
 
 from learner.critic_rank import CriticRank

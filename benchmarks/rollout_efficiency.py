@@ -7,7 +7,7 @@ settings, prompts, seeds and lengths, in one run (docs/rollout_efficiency.md has
 Worker path (measured): a `RolloutWorker` built in-process from deploy/configs/demo_longcot.yaml (its engine
 settings, its `_sampling_params` seeds, the weight-probe wrapper of weight_sync.verify_every) and, per engine step,
 the body of `RolloutWorker.run` that generates: `DecodeLoop.step` (one engine step, version stamping, log-probs,
-`Trajectory` and group assembly), the loop's counters, and `ScoreRouter.send` of each finished group to a stand-in
+`Trajectory` and group assembly), the loop's counters, and the hand-over of each finished group (`RolloutWorker._put`, then the one serialization of the controller's take) to a stand-in
 reward worker that pickles it (what Ray serializes for the call). Not measured: the Ray call itself, the controller's
 `sync` and `watch` (once per batch of groups, not per step) and weight loads. Baseline: `LLM.generate` on a second,
 identically configured `LLM` with the same requests, each forced to the length the worker path produced
@@ -73,12 +73,8 @@ class WorkerRun:
     iteration of the generating part of `RolloutWorker.run` until `done`."""
 
     def __init__(self, worker, prompts, samples_per_prompt: int) -> None:
-        from actors.score_router import ScoreRouter
-
         self.worker, self.expected = worker, len(prompts) * samples_per_prompt
         self.reward = PicklingRewardWorker()
-        self.router = ScoreRouter([self.reward], {}, [], worker.cfg.fault.max_rescore_attempts,
-                                  worker.cfg.fault.batch_timeout_s)
         self.stats = {"generate_s": 0.0, "tokens": 0, "groups": 0, "steps": 0}
         self.lengths: dict[tuple[str, int], int] = {}
         """(group id, sample index) -> response tokens."""
@@ -100,7 +96,10 @@ class WorkerRun:
             stats["tokens"] += sum(len(t.response_token_ids) for t in group.trajectories)
             for t in group.trajectories:
                 self.lengths[(t.group_id, t.sample_index)] = len(t.response_token_ids)
-            self.router.send(group)
+            # the worker's hand-over: a header, the group kept in its outbox until the controller takes it,
+            # which serializes it once (as the stand-in does here)
+            self.worker._put(group)
+            self.reward.remote(self.worker.outbox.pop(group.group_id))
         stats["steps"] += 1
         if self.done:
             assert len(self.lengths) == self.expected, (len(self.lengths), self.expected)

@@ -164,7 +164,7 @@ class CriticGroup:
 
     @property
     def workers(self) -> list:
-        """The actor handles, for the rollout workers' `add_values` calls."""
+        """The actor handles, for the scoring stage's `values_rows` calls."""
         return list(self.ranks)
 
     def _plan(self, batch: TrainingBatch):

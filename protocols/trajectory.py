@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 TOKEN_SCORERS: dict[str, str] = {"reference": "ref_logprobs", "teacher": "teacher_logprobs"}
 """The roles whose frozen models score every response token while a group streams to the queue, and the
 Trajectory (and TrainingBatch) field each one fills. The rollout worker's router sends a group to one worker of
-every such role beside its reward task; the controller joins the results (actors/stream_join.py)."""
+every such role beside its reward task (the controller's scoring stage, actors/scoring_stage.py)."""
 
 
 class Prompt(BaseModel):
