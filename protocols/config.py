@@ -21,7 +21,6 @@ from protocols.model_workers import RAY_BUILTIN_RESOURCES, CriticConfig, Referen
 from protocols.reward import RewardConfig
 from protocols.rollout_config import RolloutConfig
 from protocols.tools import ToolsConfig
-from protocols.trajectory import TOKEN_SCORERS
 from protocols.weight_sync import CollectiveSync, ObjectStoreSync, SyncCheck, WeightSyncConfig
 
 __all__ = ["RAY_BUILTIN_RESOURCES", "ClusterConfig", "CriticConfig", "LearnerConfig", "ReferenceConfig", "RolloutConfig",
@@ -327,15 +326,9 @@ class RunConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_gateway(self) -> "RunConfig":
-        """Session groups skip the scoring workers (the client gave the reward): refuse the roles that would never
-        see them before any actor starts, not in each rollout worker."""
-        scoring = {role: getattr(self, role).num_workers for role in (*TOKEN_SCORERS, "critic")}
-        if self.gateway.enabled and any(scoring.values()):
-            given = ", ".join(f"{role}.num_workers={n}" for role, n in scoring.items() if n)
-            raise ValueError(
-                f"gateway.enabled=true with {given}: the endpoint's session groups go to the queue without passing "
-                f"the scoring workers, so no {', '.join(list(scoring)[:-1])} or {list(scoring)[-1]} worker would "
-                "score them. Set them to 0 (the learner then scores the reference itself), or gateway.enabled=false")
+        """The endpoint's settings that contradict each other, refused before any actor starts. Session groups
+        pass the scoring stage as every group does (actors/scoring_stage.py), so reference, teacher and critic
+        workers score them too."""
         if self.gateway.agent and not self.gateway.enabled:
             raise ValueError(
                 f"gateway.agent={self.gateway.agent!r} with gateway.enabled=false: the agent plays its sessions on "

@@ -1,4 +1,5 @@
-"""A run fed by an in-process agent (gateway.agent) on its own data set: the rollout worker plays each prompt it
+"""A run fed by an in-process agent (gateway.agent) on its own data set, distilled from a teacher: the rollout
+worker plays each prompt it
 leases with the agent, written with the stock `openai` SDK, `samples_per_prompt` times in sessions of its own
 endpoint; the groups trained are those sessions' episodes under the leased ids, each sample exactly the tokens the
 engine saw and sampled (the endpoint's record of each call), with loss on the sampled tokens only.
@@ -52,10 +53,10 @@ async def agent(task, base_url, api_key):
     return {"reward": reward, "correct": False}
 
 
-def run_agent_job(tmp_path, agent_setting: str) -> tuple[dict, list, dict[str, dict], str]:
+def run_agent_job(tmp_path, agent_setting: str, *extra: str) -> tuple[dict, list, dict[str, dict], str]:
     """A 2-step GRPO run on the products task whose groups an in-process agent plays (`agent_setting`:
-    `gateway.agent=...` or `gateway.verifiers_env=...`) -> (summary, the trained groups, the endpoint's episode
-    records by session id, the model folder)."""
+    `gateway.agent=...` or `gateway.verifiers_env=...`; `extra`: more settings, which win) -> (summary, the
+    trained groups, the endpoint's episode records by session id, the model folder)."""
     from demos.arithmetic_model import build_random_model
     from protocols.tools import ToolsConfig
 
@@ -72,7 +73,7 @@ def run_agent_job(tmp_path, agent_setting: str) -> tuple[dict, list, dict[str, d
         "rollout.samples_per_prompt=2", "reward.num_workers=1", "reward.num_processes=1", "learner.num_ranks=1",
         "learner.zero_stage=2", "learner.prompts_per_step=2", "learner.micro_batch_size=4",
         "learner.gradient_checkpointing=false", "algorithm.preset=grpo", "train.steps=2", "train.max_staleness=4",
-        "train.eval_every=0", "train.save_every=0", "weight_sync.verify_every=0"])
+        "train.eval_every=0", "train.save_every=0", "weight_sync.verify_every=0", *extra])
     trainer = Trainer(cfg)
     batches = record_batches(trainer)
     try:
@@ -88,7 +89,11 @@ def run_agent_job(tmp_path, agent_setting: str) -> tuple[dict, list, dict[str, d
 
 
 def test_a_run_trains_the_groups_its_in_process_agent_plays(ray_cluster, tmp_path):
-    summary, trained, records, model = run_agent_job(tmp_path, "gateway.agent=tests.test_agent_training:agent")
+    # distilled from a teacher: the agent's session groups pass the scoring stage like any other group
+    teacher = hermes_model(tmp_path / "teacher", seed=2)
+    summary, trained, records, model = run_agent_job(
+        tmp_path, "gateway.agent=tests.test_agent_training:agent", f"teacher.path={teacher}", "teacher.num_workers=1",
+        "algorithm.distillation.weight=0.5")
     assert summary["steps"] == 2 and len(trained) == 4  # 2 steps x 2 prompts
     from transformers import AutoTokenizer
 
@@ -114,16 +119,19 @@ def test_a_run_trains_the_groups_its_in_process_agent_plays(ray_cluster, tmp_pat
             assert t.behavior_logprobs == [*first["behavior_logprobs"], *[0.0] * len(inserted),
                                            *second["behavior_logprobs"]]
             assert t.reward == record["reward"]
+            # the teacher scored every response token (the endpoint's sampled and inserted ones alike)
+            assert len(t.teacher_logprobs) == len(t.response_token_ids)
+            assert all(lp <= 0.0 for lp in t.teacher_logprobs)
     report = summary["rollout"][0]["gateway"]
     assert report["agent_rewards"] >= 8 and report["agent_errors"] == 0 and report["agent_groups"] >= 4
 
 
-def hermes_model(folder):
+def hermes_model(folder, seed: int = 1):
     from demos.arithmetic_model import build_random_model
     from protocols.tools import ToolsConfig
 
-    return build_random_model(folder, tied=False, seed=1, tools=ToolsConfig(builtin=["calculator"],
-                                                                            call_format="hermes"))
+    return build_random_model(folder, tied=False, seed=seed, tools=ToolsConfig(builtin=["calculator"],
+                                                                               call_format="hermes"))
 
 
 def endpoints(run_dir, stop: threading.Event) -> dict | None:

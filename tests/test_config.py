@@ -58,7 +58,8 @@ def test_algorithm_preset_from_the_command_line():
     assert cfg.algorithm.preset == "dapo"
 
 
-def test_the_session_endpoint_beside_scoring_workers_is_refused_naming_them():
-    with pytest.raises(ConfigError, match=r"gateway.enabled=true with reference.num_workers=1: .*Set them to 0"):
-        load_config(None, ["gateway.enabled=true", "algorithm.preset=grpo", "reference.num_workers=1"])
-    load_config(None, ["gateway.enabled=true", "algorithm.preset=grpo"])  # the learner scores the reference
+def test_the_session_endpoint_runs_beside_every_scoring_role():
+    # session groups pass the scoring stage too, so every role may run beside the endpoint
+    cfg = load_config(None, ["gateway.enabled=true", "algorithm.preset=ppo", "reference.num_workers=1",
+                             "critic.num_workers=1", "teacher.path=/models/teacher", "teacher.num_workers=1"])
+    assert (cfg.reference.num_workers, cfg.teacher.num_workers, cfg.critic.num_workers) == (1, 1, 1)

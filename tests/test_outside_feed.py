@@ -23,13 +23,14 @@ def test_outside_only_refuses_what_needs_the_runs_own_prompts():
         "gateway.enabled=false": "set gateway.enabled=true",
         "gateway.agent=demos.products_agent:run": "Leave gateway.agent empty",
         "train.eval_every=5": "Set train.eval_every=0",
-        "reference.num_workers=1": "reference.num_workers=1",  # session groups pass no scoring worker
     }
     for override, fix in refused.items():
         with pytest.raises(ConfigError) as err:
-            load_config(None, [*OUTSIDE, override, *(["algorithm.preset=grpo"] if "reference" in override else [])])
+            load_config(None, [*OUTSIDE, override])
         assert fix in str(err.value), str(err.value)
         assert "gateway." in str(err.value)
+    # outside agents' groups pass the scoring stage as any group does, so a reference worker may score them
+    assert load_config(None, [*OUTSIDE, "algorithm.preset=grpo", "reference.num_workers=1"]).reference.num_workers == 1
 
 
 def test_an_outside_only_worker_asks_for_no_prompts_but_reports_every_health_check():

@@ -192,8 +192,10 @@ def load_alternating():
 def test_a_run_trains_the_episodes_of_a_verifiers_environment(ray_cluster, tmp_path):
     from tests.test_agent_training import expected_sample, run_agent_job
 
+    # with PPO's critic: the environment's session groups pass the scoring stage like any other group
     summary, trained, records, _ = run_agent_job(
-        tmp_path, "gateway.verifiers_env=tests.test_verifiers_env:load_alternating")
+        tmp_path, "gateway.verifiers_env=tests.test_verifiers_env:load_alternating", "algorithm.preset=ppo",
+        "critic.num_workers=1")
     assert summary["steps"] == 2 and len(trained) == 4  # 2 steps x 2 prompts
     for group in trained:
         assert len(group.trajectories) == 2
@@ -209,5 +211,7 @@ def test_a_run_trains_the_episodes_of_a_verifiers_environment(ray_cluster, tmp_p
             # the reward is the rubric's: its one named reward (weight 1), kept as info beside the metric
             assert t.reward == record["reward"] == record["info"]["correct_answer"] in (0.0, 1.0)
             assert record["info"]["num_tool_calls"] >= 0
+            # the critic valued every response token
+            assert len(t.values) == len(t.response_token_ids) and t.critic_version is not None
     report = summary["rollout"][0]["gateway"]
     assert report["verifiers_episodes"] >= 8 and report["verifiers_failed"] == 0 and report["agent_errors"] == 0
