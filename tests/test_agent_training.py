@@ -1,7 +1,6 @@
 """A run fed by an in-process agent (gateway.agent) on its own data set, distilled from a teacher: the rollout
-worker plays each prompt it
-leases with the agent, written with the stock `openai` SDK, `samples_per_prompt` times in sessions of its own
-endpoint; the groups trained are those sessions' episodes under the leased ids, each sample exactly the tokens the
+worker plays each prompt it leases with the agent, written with the stock `openai` SDK, `samples_per_prompt` times
+in sessions of its own endpoint; the groups trained are those sessions' episodes under the leased ids, each sample exactly the tokens the
 engine saw and sampled (the endpoint's record of each call), with loss on the sampled tokens only.
 
 And a run fed by outside agents alone (gateway.outside_only): no data set, no leases; a thread and the example
