@@ -128,7 +128,7 @@ def scale_command(run_dir: str, rollout_workers: int, wait_s: float) -> int:
     """Write the request (cluster/scale_requests.py); with `wait_s`, print the driver's record of it. Exit 0 once
     applied (or at once with --wait 0), 1 if the job refused it or did not answer in time, 2 on a bad argument or
     a folder where no job runs (no fresh heartbeat of its driver: `check_running`)."""
-    from cluster.scale_requests import check_running, request_scale, wait_done
+    from cluster.scale_requests import request_scale, wait_done
 
     try:
         request_id = request_scale(run_dir, rollout_workers)
@@ -137,12 +137,11 @@ def scale_command(run_dir: str, rollout_workers: int, wait_s: float) -> int:
     if wait_s <= 0:
         print(json.dumps({"id": request_id, "rollout": rollout_workers, "status": "requested"}))
         return 0
-    done = wait_done(run_dir, request_id, wait_s)
+    try:
+        done = wait_done(run_dir, request_id, wait_s)
+    except ValueError as err:  # the driver stopped while we waited
+        return refuse("relayrl scale", f"request {request_id} not applied: {err}", 1)
     if done is None:
-        try:
-            check_running(run_dir)
-        except ValueError as err:  # it stopped while we waited
-            return refuse("relayrl scale", f"request {request_id} not applied: {err}", 1)
         return refuse("relayrl scale", f"request {request_id} not applied within --wait {wait_s:g} s: the job "
                                        f"writing {run_dir} applies requests between two steps, and a step may take "
                                        "longer; the request stays, and is applied at the next step boundary. Raise "

@@ -172,29 +172,46 @@ class RolloutPool(WorkerPool):
                            timeout=cfg.fault.worker_start_timeout_s)
         log.warning("rollout worker %d (id %d) died (%s); %d leased groups released; starting a replacement",
                     index, old_id, type(err).__name__, len(released))
-        self._allow(index, err)
-        worker = self.build(index, self.ids.renew(index))
-        self._started(index, worker.get_version.remote())
+        while True:
+            self._allow(index, err)
+            worker = self.build(index, self.ids.renew(index))
+            self.replaced += 1
+            try:
+                self._started(index, worker.get_version.remote())
+                break
+            except ray.exceptions.RayActorError as died:  # it died starting: the same rule replaces it
+                log.warning("the replacement for rollout worker %d died starting (%s); starting another", index,
+                            type(died).__name__)
+                err = died
         self.workers[index] = worker
-        self.replaced += 1
         self._take_weights([index])
         self.restart_seconds.append(time.monotonic() - start)
 
     # --- weights ----------------------------------------------------------------------------------------------------
     def _take_weights(self, slots: list[int]) -> None:
-        """New engines in `slots` (started, idle) load the newest weights and, while generation runs, start their
-        runs; with a group-forming transport every engine rejoins the weight group instead."""
+        """New engines in `slots` (started, idle) take the newest weights; with a group-forming transport every
+        engine rejoins the weight group instead.
+
+        While generation runs, a new engine just starts its run: its first call to the controller hands it the
+        newest announcement, which it loads (and checks) before it asks for work, so the driver does not wait
+        for the load between two steps. A death during that load ends the run ref, and the health check replaces
+        the engine as any other dead one. Idle engines (no run) load here, within fault.worker_start_timeout_s."""
         if weight_backend(self.cfg).forms_group:
             self._rejoin_weight_group(slots)
             return
-        latest = ray.get(self.ctx.controller.latest_weights.remote(0), timeout=self.cfg.fault.worker_start_timeout_s)
-        if latest is not None:
-            loads = {slot: self.workers[slot].load_weights.remote(latest) for slot in slots}
-            for slot, ref in loads.items():
-                self._started(slot, ref)
         if self.run_refs is not None:
             for slot in slots:
                 self.run_refs[slot] = self.workers[slot].run.remote()
+            return
+        latest = ray.get(self.ctx.controller.latest_weights.remote(0), timeout=self.cfg.fault.worker_start_timeout_s)
+        if latest is None:
+            return
+        loads = {slot: self.workers[slot].load_weights.remote(latest) for slot in slots}
+        for slot, ref in loads.items():
+            try:
+                self._started(slot, ref)
+            except ray.exceptions.RayActorError as err:  # it died loading: replaced, and the replacement loads
+                self.replace(slot, err)
 
     def _rejoin_weight_group(self, slots: list[int]) -> None:
         """A transport that forms a group (`collective`) has a fixed membership, so every engine and learner rank 0

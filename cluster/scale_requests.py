@@ -113,12 +113,15 @@ def request_scale(run_dir: str | Path, rollout: int) -> int:
 
 
 def wait_done(run_dir: str | Path, request_id: int, timeout_s: float, poll_s: float = 0.2) -> dict | None:
-    """The driver's record of request `request_id` (or a later one), or None after `timeout_s`."""
+    """The driver's record of request `request_id` (or a later one), or None after `timeout_s`. Raises
+    `check_running`'s ValueError as soon as the driver stops beating (it crashed, was killed or finished): no
+    record would come, so waiting on would only run out the timeout."""
     deadline = time.monotonic() + timeout_s
     while True:
         done = _read(_control(run_dir) / DONE)
         if done is not None and done.get("id", 0) >= request_id:
             return done
+        check_running(run_dir)
         if time.monotonic() >= deadline:
             return None
         time.sleep(poll_s)

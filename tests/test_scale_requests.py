@@ -110,3 +110,28 @@ def test_scale_command_refuses_bad_sizes_and_a_stopped_job_with_exit_2(tmp_path,
     # the driver's loop ended
     assert main(["scale", str(run), "--rollout-workers", "2", "--wait", "0"]) == 2
     assert "no job is running in" in capsys.readouterr().err
+
+
+def test_scale_wait_ends_as_soon_as_the_driver_stops_beating(tmp_path, capsys):
+    run = _run_folder(tmp_path)
+    beat = DriverHeartbeat(run, interval_s=3600).start()  # written once, then never again: a killed driver
+
+    def driver_dies():
+        time.sleep(0.3)
+        beat_file = run / "control" / "driver.json"
+        stale = {**json.loads(beat_file.read_text()), "beat_at": time.time() - STALE_S - 1}
+        beat_file.write_text(json.dumps(stale))
+
+    killer = threading.Thread(target=driver_dies)
+    killer.start()
+    started = time.monotonic()
+    assert main(["scale", str(run), "--rollout-workers", "3", "--wait", "600"]) == 1
+    killer.join()
+    # the command noticed at its next poll, not at the end of --wait
+    assert time.monotonic() - started < 60
+    err = capsys.readouterr().err
+    assert "request 1 not applied: the job in" in err and "last wrote its heartbeat" in err
+    # and the same from Python
+    with pytest.raises(ValueError, match="is not running"):
+        wait_done(run, 1, timeout_s=600)
+    beat.stop()
