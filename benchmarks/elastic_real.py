@@ -7,7 +7,9 @@ The job starts with `--workers` rollout workers; after step `--scale-at` the sam
   window (a learner that hardly waits bounds generation: more workers cannot raise it);
 - the time from the request to each new worker's first sample (the controller's `first_scored_at`), split into the
   wait for the step to end, the resize (engine start, weight load; the learner trains on meanwhile, and the steps
-  it trained are printed) and the new run's first group.
+  it trained are printed) and the new run's first group;
+- how long the driver was held between two steps when the new engines joined (the `finish_grow` call that added
+  them), against the median step.
     python benchmarks/elastic_real.py --steps 40 --scale-at 15 --to 2
 """
 
@@ -63,6 +65,17 @@ def main() -> None:
             assert cli_main(["scale", str(out), "--rollout-workers", str(args.to), "--wait", "0"]) == 0
         return metrics
 
+    pool, holds = trainer.pools["rollout"], []
+    finish_grow = pool.finish_grow
+
+    def timed_finish_grow(wait: bool = False):
+        t0 = time.perf_counter()
+        seconds = finish_grow(wait)
+        if seconds is not None:  # the call that added the engines: the driver was between two steps
+            holds.append(time.perf_counter() - t0)
+        return seconds
+
+    pool.finish_grow = timed_finish_grow
     trainer.step = step_then_mark
     try:
         summary = trainer.run()
@@ -97,6 +110,10 @@ def main() -> None:
           f"resize {done['seconds']:.1f} s, with {done['steps_while_resizing']} steps trained meanwhile")
     for worker_id, seconds in firsts.items():
         print(f"request -> first sample of new worker id {worker_id}: {seconds:.1f} s")
+    steps_s = sorted(r["time/step_s"] for r in rows)
+    median = steps_s[len(steps_s) // 2]
+    print(f"driver held between two steps at the join: {max(holds):.2f} s (median step {median:.2f} s; "
+          f"ratio {max(holds) / median:.2f})")
     print(f"accuracy {summary['accuracy_before']:.2f} -> {summary['accuracy_after']:.2f}, "
           f"wall {summary['wall_seconds']:.0f} s")
 

@@ -234,3 +234,111 @@ def test_a_grow_whose_engine_fails_to_start_is_counted_and_the_pool_keeps_its_si
     assert pool.start_failures == 1 and ray.get(controller.retired.remote()) == [1]
     assert pool.finish_grow() is None  # nothing under way
     ray.kill(launched)
+
+
+@ray.remote(num_cpus=0)
+class JoinController:
+    """The controller's stand-in for a grow: ids retired and released, the pool's size, the newest weights, stop."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+        self.stopped = False
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def is_stopped(self) -> bool:
+        return self.stopped
+
+    def retire_worker(self, worker_id: int) -> None:
+        self.calls.append(("retire", worker_id))
+
+    def release_worker(self, worker_id: int, reason: str) -> list[str]:
+        self.calls.append(("release", worker_id, reason))
+        return []
+
+    def set_num_workers(self, n: int) -> None:
+        self.calls.append(("size", n))
+
+    def latest_weights(self, known_version: int) -> int:
+        return 3  # an announcement stand-in: the engines only pass it on
+
+    def seen(self) -> list:
+        return self.calls
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class EngineThatDiesJoining:
+    """A new engine that serves its probe, then dies at its first weight load or its first run."""
+
+    def __init__(self, controller) -> None:
+        pass
+
+    def get_version(self) -> int:
+        return 0
+
+    def load_weights(self, announcement) -> float:
+        os._exit(1)
+
+    def run(self) -> dict:
+        os._exit(1)
+
+
+@ray.remote(num_cpus=0)
+class Engine:
+    """A rollout worker stand-in that starts, loads and runs until the controller stops."""
+
+    def __init__(self, controller) -> None:
+        self.controller = controller
+        self.loaded: list = []
+
+    def run(self) -> dict:
+        while not ray.get(self.controller.is_stopped.remote()):
+            time.sleep(0.05)
+        return {}
+
+    def get_version(self) -> int:
+        return 0
+
+    def load_weights(self, announcement) -> float:
+        self.loaded.append(announcement)
+        return 0.0
+
+    def loads(self) -> list:
+        return self.loaded
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("generating", [True, False], ids=["while generating", "idle"])
+def test_an_engine_that_dies_at_its_join_is_replaced_and_the_pool_reaches_its_size(ray_cluster, generating):
+    """An engine that started (it answered its probe) and died before it served: at its first weight load (idle
+    pool), or in its first run, where it loads the newest weights before asking for work (the driver does not wait
+    for that load). Either way it is replaced as a dead worker is (its id released, a new one started), and the
+    grow ends with the size asked for."""
+    from cluster.rollout_pool import RolloutPool
+    from cluster.worker_pool import PoolContext
+    from protocols.config import load_config
+
+    controller = JoinController.remote()
+    pool = RolloutPool(PoolContext(load_config(None, []), controller, placement=None, model_path="unused"))
+    pool.workers.append(Engine.remote(controller))
+    built = iter([EngineThatDiesJoining, Engine])
+    pool.build = lambda slot, worker_id: next(built).remote(controller)
+    if generating:
+        pool.start_runs()
+    pool.begin_grow(2)
+    assert pool.finish_grow(wait=True) is not None  # it served its probe: it joined
+    if generating:
+        ray.wait([pool.run_refs[1]], timeout=60)  # its first run ended with the actor
+        pool.check()
+    assert pool.replaced == 1 and len(pool.workers) == 2 and pool.ids.ids == [0, 2]
+    assert ("release", 1, "rollout_worker_died") in ray.get(controller.seen.remote())
+    if generating:
+        pool.check()  # the replacement runs: nothing more to replace
+        assert pool.replaced == 1
+        ray.get(controller.stop.remote())
+        assert len(pool.stop_runs()) == 2
+    else:
+        assert ray.get(pool.workers[1].loads.remote()) == [3]  # the replacement loaded the newest weights
+    for worker in pool.workers:
+        ray.kill(worker)
