@@ -230,7 +230,7 @@ class RolloutController(LeaseBook):
 
     # --- scoring workers ----------------------------------------------------------------------------------
     def set_scoring_workers(self, workers: dict[str, list]) -> None:
-        """Every scoring role's live list at start (role -> handles: reward, reference, teacher, critic)."""
+        """Every scoring role's live list at start (role -> handles: reward, reference, teacher)."""
         self.calls["set_scoring_workers"] += 1
         for role, handles in workers.items():
             self.stage.set_workers(role, handles)
@@ -241,7 +241,7 @@ class RolloutController(LeaseBook):
         return self.stage.set_workers(REWARD, workers)
 
     def set_model_workers(self, role: str, workers: list) -> int:
-        """The live list of `role` (reference, teacher, critic) after a replacement or a critic restart."""
+        """The live list of `role` (reference, teacher) after a replacement."""
         self.calls["set_model_workers"] += 1
         return self.stage.set_workers(role, workers)
 

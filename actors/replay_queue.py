@@ -61,25 +61,13 @@ class ReplayQueue:
         return list(self._groups)
 
     def drop_stale(self, learner_version: int) -> int:
-        """Drop groups whose oldest token is more than max_staleness versions behind the learner (`stale`), or
-        whose critic values are (`stale_critic`: the critic takes one update per learner step, so its version
-        counts the same steps)."""
+        """Drop groups whose oldest token is more than max_staleness versions behind the learner (`stale`)."""
         oldest_allowed = learner_version - self.max_staleness
-
-        def critic_ok(critic_version: int | None) -> bool:
-            return critic_version is None or critic_version >= oldest_allowed
-
-        if all(g.min_version >= oldest_allowed and critic_ok(g.critic_version) for g in self._groups):
+        if all(g.min_version >= oldest_allowed for g in self._groups):
             return 0
-        kept = deque()
-        for group in self._groups:
-            if group.min_version < oldest_allowed:
-                self.dropped["stale"] += 1
-            elif not critic_ok(group.critic_version):
-                self.dropped["stale_critic"] += 1
-            else:
-                kept.append(group)
+        kept = deque(g for g in self._groups if g.min_version >= oldest_allowed)
         dropped = len(self._groups) - len(kept)
+        self.dropped["stale"] += dropped
         self._groups = kept
         return dropped
 
@@ -117,9 +105,21 @@ class ReplayQueue:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        groups = (TrajectoryGroup.model_validate(g) for g in state["groups"])
+        groups = (TrajectoryGroup.model_validate(_current(g)) for g in state["groups"])
         self._groups = deque(GroupHeader.of(g, rewarded=True) for g in groups)
         self.received = state["received"]
         self.trained = state["trained"]
         self.dropped = Counter(state["dropped"])
         self.zero_variance_rewarded = state.get("zero_variance_rewarded", 0)  # absent from older checkpoints
+
+
+RETIRED_FIELDS = ("values", "critic_version")
+"""Trajectory fields of older checkpoints (the critic's values, once stamped in the stream, now computed at train
+time): a queued group saved with them loads without them."""
+
+
+def _current(group: dict) -> dict:
+    for t in group.get("trajectories", []):
+        for name in RETIRED_FIELDS:
+            t.pop(name, None)
+    return group

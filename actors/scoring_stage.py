@@ -2,15 +2,16 @@
 
 A group arrives as a header (protocols/group_header.py) holding the ref of its tokens. The stage sends that ref
 to one worker of every role the run has: a reward worker (unless the group came with its rewards: a session's),
-which returns the samples' rewards and results; each token scorer (reference, teacher), which returns its rows;
-the critic (PPO), which returns its values. Ray resolves the ref in each worker, so the tokens go from the object
-store to the workers that read them, and the rows stay in the object store until a learner reads them: the stage
-awaits only each task's small first return (a count, a version), never the rows.
+which returns the samples' rewards and results; each token scorer (reference, teacher), which returns its rows.
+Ray resolves the ref in each worker, so the tokens go from the object store to the workers that read them, and
+the rows stay in the object store until a learner reads them: the stage awaits only each task's small first
+return (a count), never the rows. (PPO's critic scores the batch at train time, beside its update:
+cluster/critic_pool.py.)
 
 One rule for every role:
 - a worker that died is marked dead (the driver replaces it, cluster/supervisor.py, and the stage takes the new
   list with `set_workers`); the role's task is sent to a live worker, at most `max_attempts` more times, then the
-  group is dropped `<role>_worker_died` (the critic's: `critic_failed`);
+  group is dropped `<role>_worker_died`;
 - a task that raises without its worker dying would raise again (a forward out of memory, a configure hook that
   failed): the run stops at once, with the error and the settings to change (`on_fatal`);
 - every wait is bounded by `timeout_s`: a task that does not answer drops its group `scoring_timeout`; a role
@@ -25,18 +26,18 @@ import logging
 from collections import Counter
 from typing import Any, Awaitable, Callable
 
-from protocols.group_header import VALUES, GroupHeader
+from protocols.group_header import GroupHeader
 from protocols.trajectory import TOKEN_SCORERS
 
 log = logging.getLogger(__name__)
 
 REWARD = "reward"
-ROLES = (REWARD, *TOKEN_SCORERS, VALUES)
+ROLES = (REWARD, *TOKEN_SCORERS)
 """Every scoring role, in the order a group's tasks are sent."""
 
-METHODS = {REWARD: ("score_group", 1), **{role: ("score_rows", 2) for role in TOKEN_SCORERS}, VALUES: ("values_rows", 2)}
-"""Role -> (worker method, number of returns). With two returns the first is small (awaited: the row count, the
-critic's version) and the second is the rows' ref, which the stage passes on unresolved."""
+METHODS = {REWARD: ("score_group", 1), **{role: ("score_rows", 2) for role in TOKEN_SCORERS}}
+"""Role -> (worker method, number of returns). With two returns the first is small (awaited: the row count) and
+the second is the rows' ref, which the stage passes on unresolved."""
 
 
 def ray_call(worker: Any, method: str, num_returns: int, payload: Any) -> Any:
@@ -54,7 +55,7 @@ def worker_died(error: BaseException) -> bool:
 
 
 def drop_reason(role: str) -> str:
-    return "critic_failed" if role == VALUES else f"{role}_worker_died"
+    return f"{role}_worker_died"
 
 
 class ScoringStage:
@@ -82,7 +83,7 @@ class ScoringStage:
 
     # --- workers ----------------------------------------------------------------------------------------------
     def set_workers(self, role: str, workers: list) -> int:
-        """The live list of `role` (at start, after a replacement, after a critic restart). Groups waiting for
+        """The live list of `role` (at start, after a replacement). Groups waiting for
         a worker of the role go on. Returns the role's new generation."""
         if role not in self.workers:
             raise ValueError(f"unknown scoring role {role!r}; the roles are {list(ROLES)}")
@@ -117,10 +118,8 @@ class ScoringStage:
         return live[self._turn[role] % len(live)], self.generation[role]
 
     def _mark_dead(self, role: str, index: int, generation: int) -> None:
-        if generation != self.generation[role]:
-            return
-        # a critic rank's death restarts the whole critic group: wait for the new ranks
-        self.dead[role] = set(range(len(self.workers[role]))) if role == VALUES else self.dead[role] | {index}
+        if generation == self.generation[role]:
+            self.dead[role].add(index)
 
     # --- groups -----------------------------------------------------------------------------------------------
     def submit(self, header: GroupHeader) -> None:
@@ -186,19 +185,17 @@ async def _first(refs: Any) -> Any:
 
 
 def _scored(header: GroupHeader, done: dict[str, tuple[Any, Any]]) -> GroupHeader:
-    """`header` with what each role returned: the reward's (rewards, results), the rows' refs, the critic's
-    version."""
+    """`header` with what each role returned: the reward's (rewards, results), the rows' refs."""
     if REWARD in done:
         rewards, results = done.pop(REWARD)[0]
         header = header.scored(rewards, results)
     scores = {role: refs[1] for role, (_, refs) in done.items()}
-    critic_version = done[VALUES][0] if VALUES in done else header.critic_version
-    return GroupHeader(**{**header.__dict__, "scores": {**header.scores, **scores}, "critic_version": critic_version})
+    return GroupHeader(**{**header.__dict__, "scores": {**header.scores, **scores}})
 
 
 def failure_message(role: str, index: int, group_id: str, err: BaseException) -> str:
     """Why the run stops when a worker of `role` raised on a group without dying, and what to change."""
-    name = "critic" if role == VALUES else role
+    name = role
     if role == REWARD:
         fix = ("the scorer gives reward 0 for a verifier's failure, so a raise is the worker's own (its verifier's "
                "configure hook, an import, reward.verifier): fix it and resume")

@@ -87,7 +87,14 @@ def main() -> None:
     if "error" in done:
         raise SystemExit(f"the scale request was refused: {done['error']}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps_s = sorted(r["time/step_s"] for r in rows)
+    median = steps_s[len(steps_s) // 2]
+    print(f"\ndriver held between two steps at the join: {max(holds):.2f} s (median step {median:.2f} s; "
+          f"ratio {max(holds) / median:.2f})")
     new_ids = ids[args.workers:]
+    if any(i not in first_scored for i in new_ids):
+        raise SystemExit(f"new workers {[i for i in new_ids if i not in first_scored]} scored no group before the "
+                         "run ended; raise --steps")
     firsts = {i: first_scored[i] - done["requested_at"] for i in new_ids}
     joined_at = max(first_scored[i] for i in new_ids)
     after_first = next(v for v, t, _ in marks if t >= joined_at) + args.settle
@@ -110,10 +117,6 @@ def main() -> None:
           f"resize {done['seconds']:.1f} s, with {done['steps_while_resizing']} steps trained meanwhile")
     for worker_id, seconds in firsts.items():
         print(f"request -> first sample of new worker id {worker_id}: {seconds:.1f} s")
-    steps_s = sorted(r["time/step_s"] for r in rows)
-    median = steps_s[len(steps_s) // 2]
-    print(f"driver held between two steps at the join: {max(holds):.2f} s (median step {median:.2f} s; "
-          f"ratio {max(holds) / median:.2f})")
     print(f"accuracy {summary['accuracy_before']:.2f} -> {summary['accuracy_after']:.2f}, "
           f"wall {summary['wall_seconds']:.0f} s")
 

@@ -3,9 +3,9 @@ RankGroup (cluster/rank_group.py) as the policy's learner group is, driven the s
 micro-batches (learner/batch_plan.py, with critic.micro_batch_size), every wait within fault.learner_timeout_s, the
 ranks' rows merged back by the one merge_rows.
 
-The driver trains them together once per step (`start_train` right before the policy learner's step, `finish`
-after it, so both run at once) on the GAE returns of the batch; the rollout workers use the same actors one at a
-time to stamp values on groups in the stream. `check_critic_model` refuses a critic folder whose tokenizer or
+Once per step the driver asks for the batch's values (`values`: GAE's baseline and the value loss's old values,
+from the critic as it stands), then trains the ranks together (`start_train` right before the policy learner's
+step, `finish` after it, so both run at once) on the GAE returns of the batch. `check_critic_model` refuses a critic folder whose tokenizer or
 vocabulary differs from the policy's, before any actor starts.
 """
 
@@ -69,12 +69,10 @@ class CriticGroup:
             raise ValueError("CriticGroup needs critic.num_workers >= 1")
         self.version = 0
         """Updates the group has launched, a lost one included: the one count of the critic's version. The ranks
-        are told it (train_step, set_version) and stamp it on values; a restarted group continues from it."""
+        are told it (train_step, set_version); a restarted group continues from it."""
         self.lost: tuple[int, BaseException] | None = None
         """(rank, error) of a rank found dead during an update; the supervisor restarts the group."""
         self.ranks: list = []
-        self.all_actor_ids: list[str] = []
-        """Actor ids of every rank this group started, restarted ones included (see actor_ids)."""
         self._pings: dict = {}
         self._start(None, 0, join)
 
@@ -91,15 +89,13 @@ class CriticGroup:
             self.join()
 
     def join(self) -> None:
-        """Join the started ranks into their process group (see RankGroup.join) and record their actor ids."""
+        """Join the started ranks into their process group (see RankGroup.join)."""
         self.group.join()
-        self.all_actor_ids += ray.get(self.group.call("actor_id"), timeout=self.cfg.fault.worker_start_timeout_s)
 
     def dead_rank(self) -> tuple[int, BaseException] | None:
         """(rank, error) of a critic rank that died, or None; never blocks (one ping in flight per rank). The
-        supervisor calls it while the driver waits for a batch: with a dead rank every group fails in the stream
-        (handed back, see actors/controller.py) and the group's collectives are broken, so the whole group is
-        restarted."""
+        supervisor calls it while the driver waits for a batch: a dead rank breaks the group's collectives, so
+        the whole group is restarted before the next step needs it."""
         if self.lost is not None:
             return self.lost
         if not self._pings:
@@ -113,17 +109,12 @@ class CriticGroup:
                 return index, err
         return None
 
-    def actor_ids(self) -> list[str]:
-        """Every rank's actor id, old groups' included (their tasks still in flight fail as the critic's), for the
-        controller to tell a dead critic from a dead reward worker."""
-        return list(self.all_actor_ids)
-
     def restart(self, dead: int) -> str:
         """Replace every rank in the same bundles (a dead rank breaks the group's collectives, so the survivors
         go too) and give the new group the newest weights there are: a surviving rank's (ZeRO-2 keeps the full
         parameters on every rank), else the critic of the run's newest complete checkpoint, else the initial
-        weights. The version continues from the newest the group reached (it never goes back, so the staleness
-        of stamped values stays right; the warm-up of the learning rate continues too). Every wait is bounded by
+        weights. The version continues from the newest the group reached (it never goes back: the warm-up of
+        the learning rate continues). Every wait is bounded by
         fault.worker_start_timeout_s (a timeout names it). Returns what the weights came from and what was lost,
         for the log."""
         limit = self.cfg.fault.worker_start_timeout_s
@@ -164,7 +155,7 @@ class CriticGroup:
 
     @property
     def workers(self) -> list:
-        """The actor handles, for the scoring stage's `values_rows` calls."""
+        """The ranks' actor handles (the supervisor's health checks)."""
         return list(self.ranks)
 
     def _plan(self, batch: TrainingBatch):
@@ -182,8 +173,7 @@ class CriticGroup:
         returns_var = float(flat.var(unbiased=False)) if flat.numel() else 0.0
         if num_tokens == 0:  # nothing to fit (every sample masked): no update, the version stays
             return [], returns_var
-        # counted when launched: a lost update counts too, so values stamped after a restart pass the queue's
-        # critic staleness check as if it had been taken (else every later group would be one version behind)
+        # counted when launched: a lost update counts too, so the warm-up of a restarted group goes on in step
         self.version += 1
         refs = self.group.call_sharded("train_step", batch, self._plan(batch), num_tokens, self.version)
         return refs, returns_var

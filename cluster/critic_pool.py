@@ -1,26 +1,26 @@
-"""The critic pool: PPO's critic group (cluster/critic_group.py) as a worker pool. Its ranks stamp values on groups
-in the stream (the rollout workers' `critic_workers`) and train together beside the learner, so a dead rank breaks
-the group's collectives: its replacement is a restart of the whole group (`CriticGroup.restart` says where the
-weights come from). With critic.num_workers=0 the pool is empty: it starts, checks and saves nothing.
+"""The critic pool: PPO's critic group (cluster/critic_group.py) as a worker pool. At each step its ranks value
+the batch (`score_batch`: the values of the critic the update starts from, so GAE and the clipped value loss read
+the critic as it is, never a stale one) and then train on it beside the learner (`start_update`, `finish_update`).
+A dead rank breaks the group's collectives: its replacement is a restart of the whole group (`CriticGroup.restart`
+says where the weights come from). With critic.num_workers=0 the pool is empty: it starts, checks and saves nothing.
 """
 
 import logging
 import time
 from pathlib import Path
 
-import ray
-
 from cluster import checkpoint
 from cluster.critic_group import CriticGroup, check_critic_model, critic_model_path
+from cluster.learner_failure import LearnerRankLost
 from cluster.worker_pool import WorkerLost, WorkerPool
 from protocols.config import RunConfig
+from protocols.training_batch import TrainingBatch
 
 log = logging.getLogger(__name__)
 
 
 class CriticPool(WorkerPool):
     name = "critic"
-    scores = True
 
     @classmethod
     def launch_size(cls, cfg: RunConfig) -> int:
@@ -58,7 +58,7 @@ class CriticPool(WorkerPool):
             self.group.shutdown()
 
     def check(self) -> None:
-        """A dead critic rank fails every group in the stream: restart the group."""
+        """A dead critic rank breaks the group's collectives: restart the group before the next step needs it."""
         if self.group is not None:
             lost = self.group.dead_rank()
             if lost is not None:
@@ -68,8 +68,7 @@ class CriticPool(WorkerPool):
         self.check()
 
     def replace(self, index: int, err: BaseException) -> None:
-        """Restart the whole critic group; the controller's scoring stage takes the new ranks (groups waiting for
-        values go on with them)."""
+        """Restart the whole critic group (within fault.max_replacements restarts)."""
         cfg, start = self.cfg, time.monotonic()
         log.warning("critic worker %d of critic.num_workers=%d died (%s); restarting the critic group", index,
                     cfg.critic.num_workers, type(err).__name__)
@@ -84,8 +83,6 @@ class CriticPool(WorkerPool):
         except TimeoutError as err:
             raise WorkerLost(f"the critic group did not restart after rank {index} died: {err}") from err
         self.replaced += 1
-        limit = cfg.fault.worker_start_timeout_s
-        ray.get(self.ctx.controller.set_model_workers.remote("critic", self.group.workers), timeout=limit)
         self.restart_seconds.append(time.monotonic() - start)
 
     def resize(self, n: int) -> None:
@@ -97,18 +94,28 @@ class CriticPool(WorkerPool):
     def trains(self) -> bool:
         return self.group is not None
 
+    def score_batch(self, batch: TrainingBatch) -> TrainingBatch:
+        """The batch with the values of every response token under the critic the update starts from. A rank
+        that dies meanwhile restarts the group (the same rule as the health check's, so at most
+        fault.max_replacements times) and the values are computed again by the new ranks."""
+        while True:
+            try:
+                values, _ = self.group.values(batch)
+                return batch.with_fields(values=values)
+            except LearnerRankLost as err:
+                self.replace(err.ranks[0], err.__cause__ or err)
+
     def start_update(self, batch):
         """The critic's update on the batch's GAE returns (learner/prepare.py), while the policy's runs."""
         return self.group.start_train(batch)
 
-    def finish_update(self, started, policy_version: int, groups: list) -> dict[str, float]:
-        metrics = self.group.finish(started)
-        oldest = min(t.critic_version for g in groups for t in g.trajectories)
-        return {**metrics, "critic/staleness_max": float(policy_version - oldest)}
+    def finish_update(self, started) -> dict[str, float]:
+        return self.group.finish(started)
 
     # --- checkpoints --------------------------------------------------------------------------------------------
     def save_state(self, folder: Path) -> dict:
-        """PPO's value model and its optimizer resume with the policy: `critic_version` None without a critic."""
+        """PPO's value model and its optimizer resume with the policy (`critic_version`: the group's update count;
+        None without a critic)."""
         if self.group is None:
             return {"critic_version": None}
         (folder / "critic").mkdir()

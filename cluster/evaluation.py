@@ -19,6 +19,7 @@ import ray
 
 from actors.reward_worker import results_on_workers, score_on_workers
 from cluster.model_folder import fit_lengths_to_model, resolve_model_path
+from cluster.waits import get_within
 from protocols.config import RunConfig
 from protocols.data import DataConfig
 from protocols.metrics import eval_metrics
@@ -152,10 +153,11 @@ class EvalResult:
 
 def evaluate_set(rollout_workers: list, reward_workers: list, eval_set: EvalSet, samples: int,
                  reward_cfg: RewardConfig, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
-                 rows_path: str | Path | None = None) -> EvalResult:
+                 rows_path: str | Path | None = None, timeout_s: float = 3600.0) -> EvalResult:
     """Greedy accuracy, and with samples = K >= 1 pass@k for k = 1, 2, 4, ... K from K draws per prompt at
     `temperature`. Every generation is scored by the reward workers; a failed check counts as wrong and is
-    counted by kind. With `rows_path`, writes one JSON line per generation."""
+    counted by kind. With `rows_path`, writes one JSON line per generation. The generation is bounded by
+    `timeout_s` (fault.eval_timeout_s)."""
     start = time.perf_counter()
     prompts = eval_set.prompts
     chunks = [prompts[i::len(rollout_workers)] for i in range(len(rollout_workers))]
@@ -163,8 +165,11 @@ def evaluate_set(rollout_workers: list, reward_workers: list, eval_set: EvalSet,
     sampled_refs = [w.generate_eval.remote(c, samples, temperature, top_p, seed)
                     for w, c in zip(rollout_workers, chunks) if c] if samples > 0 else []
     ordered = [p for c in chunks if c for p in c]
-    greedy = [outs[0] for chunk in ray.get(greedy_refs) for outs in chunk]
-    sampled = [outs for chunk in ray.get(sampled_refs) for outs in chunk] if samples > 0 else [[] for _ in ordered]
+    done = get_within([*greedy_refs, *sampled_refs], timeout_s, f"evaluation of {eval_set.name}",
+                      "fault.eval_timeout_s")
+    greedy = [outs[0] for chunk in done[:len(greedy_refs)] for outs in chunk]
+    sampled = ([outs for chunk in done[len(greedy_refs):] for outs in chunk] if samples > 0
+               else [[] for _ in ordered])
     # one flat list of (prompt, sample index (-1 greedy), generation) to score in one pass
     flat = [(p, -1, g) for p, g in zip(ordered, greedy)]
     flat += [(p, i, o) for p, outs in zip(ordered, sampled) for i, o in enumerate(outs)]
@@ -210,7 +215,7 @@ def load_eval_sets(cfg: RunConfig, tokenizer: Any) -> list[EvalSet]:
 
 
 def evaluate(workers: list, prompts: list[Prompt], reward_workers: list, reward_cfg: RewardConfig,
-             report: dict | None = None) -> float:
+             report: dict | None = None, timeout_s: float = 3600.0) -> float:
     """Greedy held-out accuracy: prompts split over the rollout workers, responses scored by the reward workers
     (with their timeouts, each prompt's own verifier and the run's `reward.*` settings). A verifier error or
     timeout, or a reward worker lost, counts as wrong and is logged with counts by kind (also put in `report`,
@@ -218,7 +223,8 @@ def evaluate(workers: list, prompts: list[Prompt], reward_workers: list, reward_
     if not prompts:
         return float("nan")
     chunks = [prompts[i::len(workers)] for i in range(len(workers))]
-    texts = ray.get([w.generate_greedy.remote(c) for w, c in zip(workers, chunks)])
+    texts = get_within([w.generate_greedy.remote(c) for w, c in zip(workers, chunks)], timeout_s,
+                       "held-out evaluation", "fault.eval_timeout_s")
     flat_prompts = [p for chunk in chunks for p in chunk]
     flat_texts = [t for outs in texts for t in outs]
     correct, errors = score_on_workers(reward_workers, flat_prompts, flat_texts, reward_cfg)
@@ -238,7 +244,8 @@ def evaluate_sets(rollout_workers: list, reward_workers: list, eval_sets: list[E
     for eval_set in eval_sets:
         result = evaluate_set(rollout_workers, reward_workers, eval_set, cfg.train.eval_samples, cfg.reward,
                               cfg.train.eval_temperature, cfg.train.eval_top_p, cfg.train.seed,
-                              Path(cfg.output_dir) / "eval" / f"{eval_set.name}_step{step:06d}.jsonl")
+                              Path(cfg.output_dir) / "eval" / f"{eval_set.name}_step{step:06d}.jsonl",
+                              cfg.fault.eval_timeout_s)
         metrics.update(eval_metrics(eval_set.name, result.summary()))
     return metrics
 

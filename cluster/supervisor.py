@@ -15,6 +15,7 @@ from collections import Counter
 import ray
 
 from cluster.group_fetch import LOST, fetch_groups
+from cluster.waits import get_within
 from cluster.gateway_endpoints import session_totals, stall_message, waiting_line
 from cluster.worker_pool import WorkerLost, WorkerPool
 from protocols.config import RunConfig
@@ -106,8 +107,10 @@ class Supervisor:
 
     def _wait_state(self) -> tuple[dict, dict]:
         """The queue's counters and the session endpoints' (summed over the workers' last reports)."""
-        queue = ray.get(self.controller.stats.remote())
-        sessions = (session_totals(ray.get(self.controller.get_worker_stats.remote()))
+        limit = self.cfg.fault.call_timeout_s
+        queue = get_within(self.controller.stats.remote(), limit, "the controller's stats", "fault.call_timeout_s")
+        sessions = (session_totals(get_within(self.controller.get_worker_stats.remote(), limit, "the workers' reports",
+                                              "fault.call_timeout_s"))
                     if self.cfg.gateway.enabled else {})
         return queue, sessions
 

@@ -22,6 +22,7 @@ from cluster.evaluation import evaluate, evaluate_sets, load_eval_sets
 from cluster.gateway_endpoints import write_endpoints
 from cluster.learner_group import LearnerGroup
 from cluster.model_folder import fit_lengths_to_model, resolve_model_path
+from cluster.waits import get_within
 from cluster.placement import create_placement, gpu_visibility, precheck_embedded
 from cluster.pools import check_roles, start_pools
 from cluster.ray_setup import start_ray
@@ -108,7 +109,7 @@ class Trainer:
             self.train_prompts, cfg.learner.prompts_per_step, cfg.train.max_staleness,
             cfg.algorithm.dynamic_sampling, cfg.train.seed, cfg.rollout.num_workers,
             length_aware=cfg.rollout.length_aware_dispatch, from_data=not cfg.gateway.outside_only,
-            max_rescore_attempts=cfg.fault.max_rescore_attempts, scoring_timeout_s=cfg.fault.batch_timeout_s)
+            max_rescore_attempts=cfg.fault.max_rescore_attempts, scoring_timeout_s=cfg.fault.scoring_timeout_s)
         # A pool per role (cluster/pools.py). Every role's actors start, none waited for, while the learner group
         # starts here; then each pool waits for its own, the critic's ranks first (they join their group). The starts
         # overlap: an engine start and a DeepSpeed group start each take tens of seconds, much of it waiting.
@@ -157,6 +158,8 @@ class Trainer:
         check_streamed_scores(batch, cfg, [t.group_id for t in trajectories])
         if learner_scores_ref(cfg):  # scored once per step: the KL in the reward and every update read these
             batch = batch.with_fields(ref_logprobs=self.learner.ref_logprobs(batch))
+        for pool in self.training_pools:  # PPO's critic values the batch as it is before its update (GAE reads it)
+            batch = pool.score_batch(batch)
         prepared = prepare_batch(batch, cfg)
         batch, rewards, normalizer = prepared.batch, prepared.shaped_rewards, prepared.normalizer
         t0 = time.perf_counter()
@@ -165,13 +168,13 @@ class Trainer:
         summed = self.learner.train_step(batch, normalizer)
         pool_metrics = {}
         for pool, started in updates:
-            pool_metrics.update(pool.finish_update(started, self.version, groups))
+            pool_metrics.update(pool.finish_update(started))
         learner_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         # the supervisor's: a collective broadcast that meets a dead engine is resent after its replacement
         published = self.supervisor.publish_weights(self.version + 1)
         self.version += 1
-        ray.get(self.controller.publish.remote(published))
+        self._call(self.controller.publish.remote(published), "the controller's publish")
         publish_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         self._score_probe()
@@ -218,7 +221,7 @@ class Trainer:
         cfg = self.cfg
         if self.resume_from is None:
             self.accuracy_before = evaluate(self.rollout_workers, self.eval_prompts, self.reward_workers, cfg.reward,
-                                            report=self.eval_before)
+                                            report=self.eval_before, timeout_s=cfg.fault.eval_timeout_s)
         accuracy_before, eval_before = self.accuracy_before, self.eval_before
         if self.eval_prompts:
             log.warning("held-out accuracy before training: %.3f", accuracy_before)
@@ -241,7 +244,7 @@ class Trainer:
             if cfg.train.save_every and self.version % cfg.train.save_every == 0:
                 self.save_checkpoint(folder.path)
             if self.version % cfg.train.log_every == 0:
-                metrics.update(ray.get(self.controller.stats.remote(generated=True)))
+                metrics.update(self._call(self.controller.stats.remote(generated=True), "the controller's stats"))
                 metrics.update(self._rollout_metrics())
                 metrics.update(self.supervisor.metrics())
                 for pool in self.pools.values():  # reward and reference workers' counters
@@ -258,7 +261,7 @@ class Trainer:
         self._check_weights(idle=True)  # the versions the workers loaded after their last report
         eval_after: dict = {}
         accuracy_after = evaluate(self.rollout_workers, self.eval_prompts, self.reward_workers, cfg.reward,
-                                  report=eval_after)
+                                  report=eval_after, timeout_s=cfg.fault.eval_timeout_s)
         if self.eval_prompts:
             log.warning("held-out accuracy after training: %.3f", accuracy_after)
         else:  # (outside-only: no held-out split)
@@ -267,7 +270,7 @@ class Trainer:
         self.learner.save_hf(folder.final_model_dir)
         for pool in self.pools.values():  # the critic's final_critic beside final_model
             pool.save_final(Path(folder.final_model_dir).parent)
-        stats = ray.get(self.controller.stats.remote())
+        stats = self._call(self.controller.stats.remote(), "the controller's stats")
         for pool in self.pools.values():
             pool.read_counters(wait_s=30.0)
         wall = self.wall_before + time.perf_counter() - self.job_start
@@ -327,7 +330,7 @@ class Trainer:
                      "eval_before": self.eval_before, "optimizer_digests": digests,
                      "phase_totals": dict(self.totals), "tool_totals": dict(self.tool_totals),
                      "wall_seconds": self.wall_before + time.perf_counter() - self.job_start,
-                     "controller": ray.get(self.controller.state_dict.remote())}
+                     "controller": self._call(self.controller.state_dict.remote(), "the controller's state")}
             (folder / "state.json").write_text(json.dumps(state))
             (folder / "config.yaml").write_text(dump_config(self.cfg))
 
@@ -344,7 +347,7 @@ class Trainer:
                                f"differs from the one saved ({state['optimizer_digests']}); the checkpoint is damaged")
         for pool in self.pools.values():  # e.g. PPO's critic group
             pool.load_state(folder, state)
-        ray.get(self.controller.load_state_dict.remote(state["controller"]))
+        self._call(self.controller.load_state_dict.remote(state["controller"]), "the controller's state load")
         self.version = state["policy_version"]
         self.trained_group_ids = list(state["trained_group_ids"])
         self.accuracy_before, self.eval_before = state["accuracy_before"], state["eval_before"]
@@ -353,7 +356,7 @@ class Trainer:
         self.totals = Counter(state.get("phase_totals", {}))
         self.tool_totals = Counter(state.get("tool_totals", {}))
         self.wall_before = float(state.get("wall_seconds", 0.0))
-        ray.get(self.controller.publish.remote(self.learner.publish_weights(self.version)))
+        self._call(self.controller.publish.remote(self.learner.publish_weights(self.version)), "the controller's publish")
         self._score_probe()
         self.resume_report = {"checkpoint": str(folder), "policy_version": self.version,
                               "reissued_groups": len(state["controller"]["in_flight"]), "optimizer_loaded": loaded}
@@ -375,25 +378,30 @@ class Trainer:
         if self.weight_check is None:
             return {}
         if idle:
-            results = ray.get([w.weight_probes.remote() for w in self.rollout_workers])
+            results = self._call([w.weight_probes.remote() for w in self.rollout_workers], "the rollout workers' weight probes")
             self.weight_check.compare_reports({wid: {"weight_probes": r}
                                                for wid, r in zip(self.supervisor.rollout_ids, results)})
         else:
-            self.weight_check.compare_reports(ray.get(self.controller.get_worker_stats.remote()))
+            self.weight_check.compare_reports(self._call(self.controller.get_worker_stats.remote(), "the workers' reports"))
         return self.weight_check.metrics()
 
     def _rollout_metrics(self) -> dict[str, float]:
-        reports = list(ray.get(self.controller.get_worker_stats.remote()).values())
+        reports = list(self._call(self.controller.get_worker_stats.remote(), "the workers' reports").values())
         return {**rollout_metrics(reports), **gateway_metrics(reports)}
+
+    def _call(self, refs, what: str):
+        """A call that only reads or records, within fault.call_timeout_s (cluster/waits.py)."""
+        return get_within(refs, self.cfg.fault.call_timeout_s, what, "fault.call_timeout_s")
 
     def _sync_idle_workers(self) -> None:
         """After the loop, bring every worker to the last published weights (for evaluation)."""
-        latest = ray.get(self.controller.latest_weights.remote(-1))
+        latest = self._call(self.controller.latest_weights.remote(-1), "the controller's newest weights")
         if latest is None:
             return
-        versions = ray.get([w.get_version.remote() for w in self.rollout_workers])
-        ray.get([w.load_weights.remote(latest)
-                 for w, v in zip(self.rollout_workers, versions) if v < latest.version])
+        versions = self._call([w.get_version.remote() for w in self.rollout_workers], "the rollout workers' versions")
+        get_within([w.load_weights.remote(latest) for w, v in zip(self.rollout_workers, versions)
+                    if v < latest.version], self.cfg.fault.worker_start_timeout_s, "the idle rollout workers' weight load",
+                   "fault.worker_start_timeout_s")
 
     def _evaluate_midway(self, report: dict | None = None) -> float:
         """Pause generation, evaluate with the newest weights, and restart the workers."""
@@ -401,11 +409,11 @@ class Trainer:
         self.supervisor.ensure_alive()
         self._sync_idle_workers()
         accuracy = evaluate(self.rollout_workers, self.eval_prompts, self.reward_workers, self.cfg.reward,
-                            report=report)
+                            report=report, timeout_s=self.cfg.fault.eval_timeout_s)
         if report is not None:
             report.update(evaluate_sets(self.rollout_workers, self.reward_workers, self.eval_sets, self.cfg,
                                         self.version))
-        ray.get(self.controller.resume.remote())
+        self._call(self.controller.resume.remote(), "the controller's resume")
         self._start_runs()
         return accuracy
 

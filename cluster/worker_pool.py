@@ -263,18 +263,21 @@ class WorkerPool:
     # --- training beside the policy (nothing to train by default) ------------------------------------------------
     @property
     def trains(self) -> bool:
-        """Whether this role trains beside the policy each step; the driver calls `start_update` and
-        `finish_update` only on the pools that do."""
+        """Whether this role trains beside the policy each step; the driver calls `score_batch`, `start_update`
+        and `finish_update` only on the pools that do."""
         return False
+
+    def score_batch(self, batch):
+        """The step's batch with what this role adds before the advantages (PPO's critic: its values)."""
+        raise NotImplementedError(f"the {type(self).__name__} pool trains nothing (its `trains` is False)")
 
     def start_update(self, batch):
         """Launch this role's own update on the step's prepared batch, to run while the policy's does (PPO's critic
         fits the batch's `returns`); returns what `finish_update` needs."""
         raise NotImplementedError(f"the {type(self).__name__} pool trains nothing (its `trains` is False)")
 
-    def finish_update(self, started, policy_version: int, groups: list) -> dict[str, float]:
-        """Wait for the update `start_update` launched; its metrics. `policy_version`: the version the batch was
-        trained at; `groups`: the batch's TrajectoryGroups."""
+    def finish_update(self, started) -> dict[str, float]:
+        """Wait for the update `start_update` launched; its metrics."""
         raise NotImplementedError(f"the {type(self).__name__} pool trains nothing (its `trains` is False)")
 
     # --- checkpoints and the end of the run (nothing to keep by default) -------------------------------------------

@@ -77,7 +77,7 @@ class CriticRank(TrainingRank):
     @torch.no_grad()
     def values(self, shard: TrainingBatch, plan: list[list[int]] | None = None) -> tuple[torch.Tensor, int]:
         """((B, T) values of every response token, this critic's version), in the micro-batches of `plan` (the
-        driver's; None: this rank's own plan, for a group from the stream). No collective: any rank answers alone,
+        driver's; None: this rank's own plan, for a rank called alone). No collective: any rank answers alone,
         so it skips the plan's padding micro-batches."""
         module = self.engine.module
         module.eval()

@@ -1,7 +1,7 @@
 """Preparing a step's batch: the one place between the replay queue and the learner ranks where the algorithm
 turns scored samples into what the loss reads. Pure: a function of the batch and the config, no Ray.
 
-    TrainingBatch (rewards, behavior / ref log-probs, values stamped in the stream)
+    TrainingBatch (rewards, behavior / ref log-probs from the stream, the critic's values from the step)
     -> reward shaping (drops samples from the loss) -> KL in the reward -> GAE returns for a critic
     -> advantages -> the teacher's per-token share (on-policy distillation; with a top-k teacher, the reward's
     share only: the ranks add the top-k loss) -> the loss normalizer
@@ -91,13 +91,13 @@ def reward_kl(batch: TrainingBatch, cfg: RunConfig) -> Tensor | None:
 
 
 def critic_returns(batch: TrainingBatch, rewards: Tensor, cfg: RunConfig, kl: Tensor | None) -> Tensor:
-    """(B, T) GAE returns over the loss tokens from the values the critic stamped in the stream: the critic's
-    regression targets (the values themselves are the clipped value loss's old values and GAE's baseline).
-    Raises when the batch has no values (every group must pass through a critic worker)."""
+    """(B, T) GAE returns over the loss tokens from the values the critic computed on this batch before its
+    update (cluster/critic_pool.py score_batch): the critic's regression targets (the values themselves are the
+    clipped value loss's old values and GAE's baseline). Raises when the batch has no values."""
     if batch.values is None:
         raise RuntimeError(
             f"critic.num_workers={cfg.critic.num_workers} but a batch reached the learner without critic values: "
-            "every scored group must pass through a critic worker on its way to the queue")
+            "the critic scores every batch at train time, before the advantages (CriticPool.score_batch)")
     _, returns = gae_targets(rewards, batch.loss_mask, cfg.algorithm, kl=kl, values=batch.values)
     return returns
 
@@ -105,7 +105,7 @@ def critic_returns(batch: TrainingBatch, rewards: Tensor, cfg: RunConfig, kl: Te
 def prepare_batch(batch: TrainingBatch, cfg: RunConfig) -> PreparedBatch:
     """The batch the learner trains on: shaping, the KL in the reward, the critic's returns, advantages (mixed
     with the teacher's per-token advantage when teacher log-probs came with the batch) and the loss normalizer, each computed once over the whole global batch (group baselines span ranks). `batch` must
-    already carry what the stream stamped (values with a critic, ref_logprobs with reference workers) and, when
+    already carry what the stream scored (ref_logprobs with reference workers), the critic's values with a critic and, when
     `learner_scores_ref(cfg)`, the learner's reference log-probs. A batch whose `group_index` is not whole groups
     of rollout.samples_per_prompt in a row is refused: its advantages would mix groups."""
     check_whole_groups(batch, cfg.rollout.samples_per_prompt)

@@ -123,6 +123,20 @@ class FaultConfig(BaseModel):
     flight; with gateway.outside_only, the sessions outside agents opened, rewarded and left without a reward,
     and where the endpoints are listed), so a stalled run says why before fault.batch_timeout_s ends it."""
 
+    scoring_timeout_s: float = Field(1800.0, gt=0, le=86_400)
+    """Longest the scoring stage waits for one group's task of a role (a reward, reference or teacher worker), or
+    for a live worker of a role to send it to; past it the group is dropped `scoring_timeout` (or
+    `<role>_worker_died`) and counted."""
+
+    call_timeout_s: float = Field(300.0, gt=0, le=86_400)
+    """Longest the driver waits for a call that only reads or records (the controller's stats, publish, state
+    and resume; a worker's counters or weight probes). Past it the run stops naming the call: such a call
+    answers in milliseconds unless its actor hangs."""
+
+    eval_timeout_s: float = Field(3600.0, gt=0, le=86_400)
+    """Longest one held-out evaluation's generation may take on the rollout workers (every prompt of the split,
+    all workers together); past it the run stops naming it."""
+
     max_rescore_attempts: int = Field(2, ge=0, le=100)
     """Times a group whose reward (or reference) worker died is sent to a live one before it is dropped
     (counted as `queue/dropped_reward_worker_died` or `queue/dropped_reference_worker_died`)."""

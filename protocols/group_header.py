@@ -15,10 +15,6 @@ from typing import Any
 
 from protocols.trajectory import TrajectoryGroup, VerifierResult
 
-VALUES = "critic"
-"""`GroupHeader.scores` key of the critic's values (the token scorers' keys are their roles)."""
-
-
 @dataclass
 class GroupHeader:
     """One group on the control plane. Lists hold one entry per sample, in order."""
@@ -42,10 +38,8 @@ class GroupHeader:
     results: list[VerifierResult | None] | None = None
     """Each sample's verifier result (None for a reward the client gave)."""
     scores: dict[str, Any] = field(default_factory=dict)
-    """Token scorer's role (reference, teacher) or VALUES -> ObjectRef of its rows (one list per sample), or the
-    rows themselves for an inline group. The driver attaches them (TrajectoryGroup.with_token_scores)."""
-    critic_version: int | None = None
-    """Critic updates the values were computed after; None without a critic."""
+    """Token scorer's role (reference, teacher) -> ObjectRef of its rows (one list per sample), or the rows
+    themselves for an inline group. The driver attaches them (TrajectoryGroup.with_token_scores)."""
 
     @classmethod
     def of(cls, group: TrajectoryGroup, ref: Any = None, rewarded: bool = False) -> "GroupHeader":
@@ -60,8 +54,7 @@ class GroupHeader:
                    max_version=max((hi for _, hi in spans), default=-1),
                    ref=ref, group=None if ref is not None else group,
                    rewards=[t.reward for t in trajs] if rewarded else None,
-                   results=[t.result for t in trajs] if rewarded else None,
-                   critic_version=group.critic_version)
+                   results=[t.result for t in trajs] if rewarded else None)
 
     @property
     def num_samples(self) -> int:
@@ -79,19 +72,15 @@ class GroupHeader:
         return replace(self, rewards=list(rewards), results=list(results))
 
     def assemble(self, group: TrajectoryGroup, scores: dict[str, Any]) -> TrajectoryGroup:
-        """The group as the learner reads it: `group` (fetched by ref, or inline) with the rewards, results,
-        values and token scorers' rows of this header attached. `scores`: role -> fetched rows."""
+        """The group as the learner reads it: `group` (fetched by ref, or inline) with the rewards, results and
+        token scorers' rows of this header attached. `scores`: role -> fetched rows."""
         trajs = group.trajectories
         if self.rewards is not None:
             trajs = [t.model_copy(update={"reward": r, "result": res})
                      for t, r, res in zip(trajs, self.rewards, self.results or [None] * len(trajs), strict=True)]
-        if VALUES in scores:
-            trajs = [t.model_copy(update={"values": list(v), "critic_version": self.critic_version})
-                     for t, v in zip(trajs, scores[VALUES], strict=True)]
         out = group.model_copy(update={"trajectories": trajs})
         for role, rows in scores.items():
-            if role != VALUES:
-                out = out.with_token_scores(role, rows)
+            out = out.with_token_scores(role, rows)
         return out
 
     def inline(self) -> TrajectoryGroup:

@@ -73,8 +73,8 @@ SECTIONS: dict[str, str] = {
     "data/": "loader counts (loaded, skipped_too_long) and the controller's data epoch",
     "critic/": "the critic group's update (ppo): value_loss, value_clip_frac, values_mean, returns_mean, "
                "explained_variance, grad_norm_max, lr, version, seconds_max, skipped_nonfinite (updates skipped "
-               "after a NaN or infinite loss, as learner/skipped_nonfinite), staleness_max (policy versions the "
-               "batch's values lag behind), update_lost (an update lost with a dead critic rank)",
+               "after a NaN or infinite loss, as learner/skipped_nonfinite), update_lost (an update lost with a dead "
+               "critic rank)",
     "fault/": "the supervisor's counts since the run started: replaced_<role> (rollout, reward, reference, critic "
               "workers replaced after they died), start_failures_<role> (new workers of a resize that did not "
               "start: an engine error, or no room on the cluster in time) and resent_publishes (weight broadcasts "

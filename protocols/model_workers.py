@@ -65,7 +65,7 @@ class CriticConfig(BaseModel):
     values for the stream are computed by one rank at a time, and ZeRO-3's parameter gathers need every rank."""
 
     micro_batch_size: int = Field(64, ge=1, le=65_536)
-    """Samples per forward/backward of the critic (training and stream values)."""
+    """Samples per forward/backward of the critic (its values pass and its update)."""
 
     cpus: float = Field(1.0, gt=0, le=1024)
     """CPUs reserved per critic rank (its placement bundle, beside its GPU on GPU runs)."""

@@ -71,7 +71,7 @@ class TrainingBatch:
     teacher_topk_logprobs: Tensor | None = None
     """(B, T, k) float32: the teacher's log-probs of those ids; 0 past a response's end."""
     values: Tensor | None = None
-    """(B, T) float32 V(state before each token), stamped by a critic worker in the stream (PPO)."""
+    """(B, T) float32 V(state before each token), from PPO's critic at train time (CriticPool.score_batch)."""
     returns: Tensor | None = None
     """(B, T) float32 GAE returns, the critic's regression targets (PPO)."""
     proximal_logprobs: Tensor | None = None
@@ -154,9 +154,9 @@ class TrainingBatch:
     @classmethod
     def from_trajectories(cls, trajectories: list) -> "TrainingBatch":
         """The batch of scored `protocols.trajectory.Trajectory` records, in order: which tokens the engine
-        sampled comes from each trajectory's own `loss_mask`; `ref_logprobs`, `teacher_logprobs` and `values` are
-        taken when every trajectory carries them (reference, teacher and critic workers stamp them in the stream),
-        as are the teacher's top-k ids and log-probs. `group_index` numbers their group ids in order."""
+        sampled comes from each trajectory's own `loss_mask`; `ref_logprobs` and `teacher_logprobs` are taken
+        when every trajectory carries them (reference and teacher workers score them in the stream), as are the
+        teacher's top-k ids and log-probs (PPO's critic adds `values` at train time). `group_index` numbers their group ids in order."""
         def every(name: str) -> list | None:
             rows = [getattr(t, name) for t in trajectories]
             return None if any(r is None for r in rows) else rows
@@ -169,7 +169,7 @@ class TrainingBatch:
             [t.behavior_logprobs for t in trajectories], model_token_mask=[t.loss_mask for t in trajectories],
             token_versions=[t.token_versions for t in trajectories], rewards=[t.reward for t in trajectories],
             truncated=[t.truncated for t in trajectories], group_index=group_index,
-            **{name: every(name) for name in TOKEN_SCORERS.values()}, values=every("values"),
+            **{name: every(name) for name in TOKEN_SCORERS.values()},
             teacher_topk_ids=every("teacher_topk_ids"), teacher_topk_logprobs=every("teacher_topk_logprobs"))
 
     # --- reading --------------------------------------------------------------------------------------------------

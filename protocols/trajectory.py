@@ -171,13 +171,6 @@ class Trajectory(BaseModel):
     """Set by the reward worker; None until scored."""
     worker_id: int = 0
     """Rollout worker that generated it."""
-    values: list[float] | None = None
-    """V(state before each response token) from the critic, one per response token; None without a critic.
-    Set by a critic worker while the group streams toward the replay queue; GAE and the clipped value loss's
-    old values read it."""
-    critic_version: int | None = None
-    """Critic updates the values were computed after (0: the initial critic). The replay queue drops a group
-    whose values are more than train.max_staleness critic versions behind, as it does for policy versions."""
     ref_logprobs: list[float] | None = None
     """log pi_ref(token) of the frozen reference policy, one per response token, at the sampling temperature;
     added by a reference worker while the group streams toward the queue (reference.num_workers > 0). None
@@ -280,12 +273,6 @@ class TrajectoryGroup(BaseModel):
     @property
     def rewards(self) -> list[float]:
         return [t.reward for t in self.trajectories]
-
-    @property
-    def critic_version(self) -> int | None:
-        """Oldest critic version among the samples' values; None when any sample has none."""
-        versions = [t.critic_version for t in self.trajectories]
-        return None if any(v is None for v in versions) else min(versions)
 
     def with_ref_logprobs(self, ref_logprobs: list[list[float]]) -> "TrajectoryGroup":
         """A copy whose trajectories carry `ref_logprobs`, as a reference worker computed them."""

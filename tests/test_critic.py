@@ -9,7 +9,6 @@ import torch
 
 from learner.value_loss import clipped_value_loss
 from protocols.config import ConfigError, load_config
-from protocols.group_header import VALUES, GroupHeader
 from protocols.training_batch import TrainingBatch
 
 
@@ -105,7 +104,7 @@ def fixed_batch() -> TrainingBatch:
 
 
 def update(group) -> None:
-    """One critic update with fresh old values, as the stream stamps them."""
+    """One critic update with fresh old values, as the step computes them (CriticPool.score_batch)."""
     batch = fixed_batch()
     old, _ = group.values(batch)
     group.train_step(batch.with_fields(values=old))
@@ -126,7 +125,7 @@ def test_real_critic_value_loss_falls_on_a_fixed_batch(ray_cluster, tiny_models)
     try:
         losses, versions = [], []
         for _ in range(12):
-            old, version = group.values(batch)  # fresh old values, as the stream stamps them
+            old, version = group.values(batch)  # fresh old values, as the step computes them
             versions.append(version)
             metrics = group.train_step(batch.with_fields(values=old))
             losses.append(metrics["critic/value_loss"])
@@ -200,33 +199,29 @@ def test_gae_over_real_critic_values_matches_a_hand_computation(ray_cluster, tin
                    behavior_logprobs=[-1.0] * len(r), token_versions=[0] * len(r), finish_reason="stop",
                    reward=float(i == 0))
         for i, r in enumerate(responses)])
+    batch = TrainingBatch.from_trajectories(group.trajectories)
     critic = CriticGroup(cfg, tiny_models["untied"])
     try:
-        version, values = __import__("ray").get(critic.workers[0].values_rows.options(num_returns=2).remote(group))
+        values, version = critic.values(batch)  # as the step's CriticPool.score_batch asks, before the update
     finally:
         critic.shutdown()
-    # the driver attaches them as the scoring stage left them (protocols/group_header.py)
-    header = GroupHeader.of(group, rewarded=True)
-    header.critic_version = version
-    stamped = header.assemble(group, {VALUES: values})
-    t0, t1 = stamped.trajectories
-    assert t0.critic_version == t1.critic_version == 0
-    assert len(t0.values) == 2 and len(t1.values) == 3
+    assert version == 0
+    batch = batch.with_fields(values=values)
+    v0, v1 = batch.per_sample_rows(values)
+    assert len(v0) == 2 and len(v1) == 3
     # causal: V before token k depends on the prefix only, and both responses start with token 8
-    assert t0.values[0] == pytest.approx(t1.values[0], abs=1e-5)
-    assert len({round(v, 4) for v in t1.values}) == 3  # a random head gives distinct values
-    batch = TrainingBatch.from_trajectories(stamped.trajectories)
-    assert sum(batch.per_sample_rows(batch.values), []) == pytest.approx(t0.values + t1.values)
+    assert v0[0] == pytest.approx(v1[0], abs=1e-5)
+    assert len({round(v, 4) for v in v1}) == 3  # a random head gives distinct values
     rewards = torch.tensor([1.0, 0.0])
     returns = critic_returns(batch, rewards, cfg, kl=None)
     from learner.objective import compute_advantages
 
     adv = compute_advantages(rewards, batch.loss_mask, 2, cfg.algorithm, values=batch.values)
     lam = 0.95  # gamma = 1: delta_t = r_t + V_{t+1} - V_t, V = 0 after the last token, r = R on the last token
-    a, b = t0.values
+    a, b = v0
     # sample 0 (R = 1): A_1 = 1 - b; A_0 = (b - a) + lam * A_1
     hand0 = [(b - a) + lam * (1 - b), 1 - b]
-    x, y, z = t1.values
+    x, y, z = v1
     # sample 1 (R = 0): A_2 = 0 - z; A_1 = (z - y) + lam * A_2; A_0 = (y - x) + lam * A_1
     a2 = -z
     a1 = (z - y) + lam * a2
@@ -236,26 +231,6 @@ def test_gae_over_real_critic_values_matches_a_hand_computation(ray_cluster, tin
     # the critic's targets are A + V (before whitening)
     assert returns[0, :2].tolist() == pytest.approx([hand0[0] + a, hand0[1] + b], abs=1e-6)
     assert returns[1].tolist() == pytest.approx([hand1[0] + x, hand1[1] + y, hand1[2] + z], abs=1e-6)
-
-
-def test_replay_queue_drops_values_from_a_critic_too_old():
-    from actors.replay_queue import ReplayQueue
-    from protocols.trajectory import Prompt, Trajectory, TrajectoryGroup
-
-    def group(name: str, policy: int, critic: int | None) -> TrajectoryGroup:
-        prompt = Prompt(prompt_id="p", prompt_token_ids=[1])
-        return TrajectoryGroup(group_id=name, trajectories=[Trajectory(
-            group_id=name, sample_index=i, prompt=prompt, response_token_ids=[4], behavior_logprobs=[-1.0],
-            token_versions=[policy], finish_reason="stop", reward=float(i), values=None if critic is None else [0.0],
-            critic_version=critic) for i in range(2)])
-
-    queue = ReplayQueue(max_staleness=1, drop_zero_variance=False)
-    for g in (group("fresh", 3, 3), group("old_critic", 3, 1), group("old_policy", 1, 3), group("no_critic", 2, None)):
-        queue.put(g)
-    # learner at version 3, max_staleness 1: versions below 2 are too old, for the policy and the critic alike
-    batch = queue.take(2, learner_version=3)
-    assert [g.group_id for g in batch] == ["fresh", "no_critic"]
-    assert queue.dropped == {"stale": 1, "stale_critic": 1}
 
 
 @pytest.mark.slow
@@ -365,6 +340,5 @@ def test_a_restarted_critic_group_takes_the_newest_weights_there_are(ray_cluster
         assert group.values(batch)[1] == 6
         update(group)
         assert group.values(batch)[1] == 7
-        assert len(group.actor_ids()) == 10  # 5 groups of 2 ranks: old ids stay known to the controller
     finally:
         group.shutdown()

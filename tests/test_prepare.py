@@ -85,7 +85,7 @@ def test_the_driver_refuses_a_batch_too_stale_or_with_a_group_of_another_size_be
 
     trainer = Trainer.__new__(Trainer)  # the step's checks alone: no actor, no learner
     trainer.cfg = load_config(None, ["rollout.samples_per_prompt=2", "train.max_staleness=1"])
-    trainer.version, trainer.trained_group_ids = 3, []
+    trainer.version, trainer.trained_group_ids, trainer.training_pools = 3, [], []
     # version 1 is 2 behind the learner's 3, one more than max_staleness=1
     with pytest.raises(RuntimeError, match="2 versions old, more than train.max_staleness=1"):
         trainer.step([make_group("fresh", [1.0, 0.0], 3), make_group("old", [1.0, 0.0], 1)])

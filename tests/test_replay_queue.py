@@ -161,3 +161,16 @@ def test_watch_reports_stop_and_newer_weights_in_one_reply():
     c.stop()
     news = c.watch_news(0, known_version=0)
     assert news.stop and news.weights == WeightAnnouncement(version=1, refs=["ref"])
+
+
+def test_a_queue_saved_with_stream_values_loads_without_them():
+    # a checkpoint from before the critic left the stream: its trajectories carry values and critic_version
+    q = ReplayQueue(max_staleness=4, drop_zero_variance=False)
+    q.put(make_group("g0", [0.0, 1.0], 1))
+    state = q.state_dict()
+    for t in state["groups"][0]["trajectories"]:
+        t.update(values=[0.5] * len(t["response_token_ids"]), critic_version=1)
+    loaded = ReplayQueue(max_staleness=4, drop_zero_variance=False)
+    loaded.load_state_dict(state)
+    (header,) = loaded.headers()
+    assert header.group_id == "g0" and header.inline().rewards == [0.0, 1.0]

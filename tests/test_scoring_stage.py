@@ -34,7 +34,7 @@ def call(worker: StandIn, method: str, returns: int, group) -> object:
             await asyncio.sleep(60)
         if method == "score_group":
             return [1.0, 0.0], [None, None]
-        return 7 if method == "values_rows" else len(group.trajectories)
+        return len(group.trajectories)
 
     return first() if returns == 1 else [first(), f"rows of {worker.name}"]
 
@@ -69,14 +69,13 @@ def header(group_id: str = "g0", rewarded: bool = False) -> GroupHeader:
 def test_every_role_scores_the_group_and_only_small_returns_are_awaited():
     calls: list = []
     stage, out = stage_of({"reward": [StandIn("r0", calls=calls)], "reference": [StandIn("ref0", calls=calls)],
-                           "critic": [StandIn("c0", calls=calls)]})
+                           "teacher": [StandIn("t0", calls=calls)]})
     score(stage, header())
     (scored,) = out["scored"]
     assert scored.rewards == [1.0, 0.0] and scored.results == [None, None]
     # the rows stay where the worker left them (a ref in Ray): the header carries the second return as it came
-    assert scored.scores == {"reference": "rows of ref0", "critic": "rows of c0"}
-    assert scored.critic_version == 7 and scored.min_version == 3
-    assert sorted(calls) == [("c0", "values_rows"), ("r0", "score_group"), ("ref0", "score_rows")]
+    assert scored.scores == {"reference": "rows of ref0", "teacher": "rows of t0"} and scored.min_version == 3
+    assert sorted(calls) == [("r0", "score_group"), ("ref0", "score_rows"), ("t0", "score_rows")]
     assert out["dropped"] == out["fatal"] == [] and stage.pending == {}
 
 
@@ -103,11 +102,9 @@ def test_after_max_attempts_of_dying_workers_the_group_is_dropped_under_the_role
     stage, out = stage_of({"reward": [StandIn("r0")], "reference": [StandIn("a", "dies"), StandIn("b", "dies")]})
     score(stage, header())
     assert out["dropped"] == [("reference_worker_died", "g0")] and out["scored"] == []
-    critic, out = stage_of({"reward": [StandIn("r0")], "critic": [StandIn("c0"), StandIn("c1", "dies")]},
-                           max_attempts=0)
-    score(critic, header())
-    # a critic rank's death takes the whole critic group down (it restarts whole): the live c0 is not tried
-    assert out["dropped"] == [("critic_failed", "g0")] and critic.dead["critic"] == {0, 1}
+    # PPO's critic is no scoring role: it values the batch at train time (cluster/critic_pool.py)
+    with pytest.raises(ValueError, match="unknown scoring role 'critic'"):
+        stage.set_workers("critic", [])
 
 
 def test_a_role_with_no_live_worker_waits_for_the_drivers_new_list():
@@ -152,11 +149,10 @@ def test_an_unknown_role_is_refused_by_name():
 def test_the_header_assembles_the_group_the_learner_reads():
     group = make_group("g0", [0, 0], 3)
     head = GroupHeader.of(group).scored([1.0, 0.5], [None, None])
-    head.critic_version = 2
     rows = [[-0.5] * len(t.response_token_ids) for t in group.trajectories]
-    out = head.assemble(group, {"reference": rows, "critic": rows})
+    out = head.assemble(group, {"reference": rows, "teacher": rows})
     assert [t.reward for t in out.trajectories] == [1.0, 0.5]
-    assert out.trajectories[1].ref_logprobs == rows[1] and out.trajectories[0].values == rows[0]
-    assert out.critic_version == 2 and [t.reward for t in group.trajectories] == [0, 0]  # the original is untouched
+    assert out.trajectories[1].ref_logprobs == rows[1] and out.trajectories[0].teacher_logprobs == rows[0]
+    assert [t.reward for t in group.trajectories] == [0, 0]  # the original is untouched
     with pytest.raises(ValueError, match="3 rewards and 1 results for its 2 samples"):
         head.scored([1.0, 0.0, 1.0], [None])

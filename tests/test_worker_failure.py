@@ -37,10 +37,10 @@ def test_the_driver_sets_each_roles_live_list_on_the_controllers_scoring_stage()
     from tests.test_control_plane import controller
 
     c = controller()
-    c.set_scoring_workers({"reward": ["r0"], "reference": ["ref0"], "critic": []})
+    c.set_scoring_workers({"reward": ["r0"], "reference": ["ref0"], "teacher": []})
     assert c.set_reward_workers(["r0", "r1"]) == 2  # a replacement: the role's second list
-    assert c.set_model_workers("reference", ["ref1"]) == 2 and c.set_model_workers("critic", ["c0", "c1"]) == 2
-    assert c.stage.workers == {"reward": ["r0", "r1"], "reference": ["ref1"], "teacher": [], "critic": ["c0", "c1"]}
+    assert c.set_model_workers("reference", ["ref1"]) == 2 and c.set_model_workers("teacher", ["t0", "t1"]) == 2
+    assert c.stage.workers == {"reward": ["r0", "r1"], "reference": ["ref1"], "teacher": ["t0", "t1"]}
     with pytest.raises(ValueError, match="unknown scoring role 'judge'"):
         c.set_model_workers("judge", ["j0"])
 
@@ -302,14 +302,13 @@ def test_a_killed_worker_of_each_role_is_replaced_and_the_run_finishes(ray_clust
     assert replacement["versions_seen"][0] == 0 and replacement["versions_seen"][1] >= 2, replacement
     assert replacement["generate_s"] > 0, replacement
 
-    # reference and teacher: every trained trajectory carries the frozen reference's and the teacher's log-probs
-    # and the critic's values, one per response token (the teacher's death left no group trained without them;
-    # the driver refuses such a batch). At version 0 the teacher, the same folder as the policy's start, agrees
+    # reference and teacher: every trained trajectory carries the frozen reference's and the teacher's log-probs,
+    # one per response token (the teacher's death left no group trained without them; the driver refuses such a
+    # batch). At version 0 the teacher, the same folder as the policy's start, agrees
     # with vLLM's behavior log-probs as the reference does.
     for t in [t for g in seen["groups"] for t in g.trajectories]:
         assert t.ref_logprobs is not None and len(t.ref_logprobs) == len(t.response_token_ids)
         assert t.teacher_logprobs is not None and len(t.teacher_logprobs) == len(t.response_token_ids)
-        assert t.values is not None and len(t.values) == len(t.response_token_ids)
         if t.max_version == 0:
             assert max(abs(a - b) for a, b in zip(t.teacher_logprobs, t.behavior_logprobs)) < 1e-3
     assert "queue/dropped_teacher_failed" not in q, q
@@ -328,9 +327,8 @@ def test_a_killed_worker_of_each_role_is_replaced_and_the_run_finishes(ray_clust
     versions = [r["critic/version"] for r in rows if "critic/version" in r]
     assert versions == sorted(versions) and versions[-1] >= steps - 2, versions
     assert (tmp_path / "final_critic" / "value_head.pt").is_file()
-    # groups that met the dead critic waited for the new ranks and were sent again, not dropped by the hundred
-    # (each rollout worker holds them until the restarted group's handles arrive)
-    assert dropped.get("queue/dropped_critic_failed", 0) <= 8, dropped
+    # the critic values each batch at train time: its death drops no group
+    assert "queue/dropped_critic_failed" not in dropped, dropped
 
     # reward: groups whose scoring died with the worker went to the other one (or were dropped under their reason)
     assert q["queue/rescored_reward_worker_died"] + dropped.get("queue/dropped_reward_worker_died", 0) >= 1, q
