@@ -21,7 +21,7 @@ from protocols.trajectory import TOKEN_SCORERS
 SCORED_PER_TOKEN = ("advantages", *TOKEN_SCORERS.values(), "values", "returns", "proximal_logprobs")
 """The optional `(B, T)` float fields: the frozen token scorers' log-probs (protocols.trajectory.TOKEN_SCORERS),
 the critic's values, and what the driver and the learner add."""
-PER_TOKEN = ("response_ids", "loss_mask", "behavior_logprobs", "token_versions", *SCORED_PER_TOKEN)
+PER_TOKEN = ("response_ids", "loss_mask", "behavior_logprobs", *SCORED_PER_TOKEN)
 """The `(B, T)` fields; `select` trims them to the selected samples' longest response."""
 
 PER_POSITION_K = ("teacher_topk_ids", "teacher_topk_logprobs")
@@ -50,8 +50,6 @@ class TrainingBatch:
     """(B, T) bool: True on tokens that train, i.e. sampled by the engine, in a sample `sample_mask` keeps."""
     behavior_logprobs: Tensor
     """(B, T) float32: log mu(token) from vLLM when it sampled the token; 0 off the engine's tokens."""
-    token_versions: Tensor
-    """(B, T) long: policy version that sampled each token; -1 off the engine's tokens."""
     sample_mask: Tensor
     """(B,) bool: False for samples dropped from the loss (e.g. truncated ones with algorithm.mask_truncated)."""
     rewards: Tensor
@@ -105,7 +103,7 @@ class TrainingBatch:
     @classmethod
     def from_samples(cls, prompt_ids: list[list[int]], response_ids: list[list[int]],
                      behavior_logprobs: list[list[float]] | None = None, *,
-                     model_token_mask: list[list[bool]] | None = None, token_versions: list[list[int]] | None = None,
+                     model_token_mask: list[list[bool]] | None = None,
                      sample_mask: list[bool] | None = None, rewards: list[float] | None = None,
                      truncated: list[bool] | None = None, teacher_topk_ids: list[list[list[int]]] | None = None,
                      teacher_topk_logprobs: list[list[list[float]]] | None = None,
@@ -126,7 +124,7 @@ class TrainingBatch:
         if unknown:
             raise TypeError(f"TrainingBatch.from_samples got unknown per-token fields {sorted(unknown)}")
         ragged = {"behavior_logprobs": behavior_logprobs, "model_token_mask": model_token_mask,
-                  "token_versions": token_versions, "teacher_topk_ids": teacher_topk_ids,
+                  "teacher_topk_ids": teacher_topk_ids,
                   "teacher_topk_logprobs": teacher_topk_logprobs, **per_token}
         for name, rows in ragged.items():
             for i, row in enumerate(rows or []):
@@ -140,8 +138,6 @@ class TrainingBatch:
             loss_mask=model_tokens & keep[:, None],
             behavior_logprobs=(_pad(behavior_logprobs, width, torch.float32) if behavior_logprobs is not None
                                else torch.zeros((n, width))),
-            token_versions=(_pad(token_versions, width, torch.long, fill=-1) if token_versions is not None
-                            else torch.where(model_tokens, 0, -1)),
             sample_mask=keep,
             rewards=torch.tensor(rewards if rewards is not None else [0.0] * n, dtype=torch.float32),
             truncated=torch.tensor(truncated if truncated is not None else [False] * n, dtype=torch.bool),
@@ -167,7 +163,7 @@ class TrainingBatch:
         return cls.from_samples(
             [t.prompt.prompt_token_ids for t in trajectories], [t.response_token_ids for t in trajectories],
             [t.behavior_logprobs for t in trajectories], model_token_mask=[t.loss_mask for t in trajectories],
-            token_versions=[t.token_versions for t in trajectories], rewards=[t.reward for t in trajectories],
+            rewards=[t.reward for t in trajectories],
             truncated=[t.truncated for t in trajectories], group_index=group_index,
             **{name: every(name) for name in TOKEN_SCORERS.values()},
             teacher_topk_ids=every("teacher_topk_ids"), teacher_topk_logprobs=every("teacher_topk_logprobs"))

@@ -21,7 +21,7 @@ def tool_batch() -> TrainingBatch:
         [[1, 2], [1, 3, 4]], [[5, 6, 7, 8, 9], [10, 11, 12]],
         [[-1.0, -2.0, 0.0, 0.0, -3.0], [-1.5, -2.5, -3.5]],
         model_token_mask=[[True, True, False, False, True], [True, True, True]],
-        token_versions=[[0, 0, -1, -1, 1], [1, 1, 1]], advantages=[[1.0] * 5, [-1.0] * 3])
+        advantages=[[1.0] * 5, [-1.0] * 3])
 
 
 def test_loss_mask_is_sampled_tokens_of_kept_samples():
@@ -56,7 +56,9 @@ def test_from_trajectories_keeps_every_field_and_round_trips_through_disk(tmp_pa
                                token_versions=[i] * (i + 1), finish_reason="length" if i else "stop",
                                reward=float(i), ref_logprobs=[-1.0] * (i + 1)) for i in range(2)]
     batch = TrainingBatch.from_trajectories(trajectories)
-    assert batch.response_ids.tolist() == [[3, 0], [4, 4]] and batch.token_versions.tolist() == [[0, -1], [1, 1]]
+    assert batch.response_ids.tolist() == [[3, 0], [4, 4]]
+    # the versions stay on the trajectories (the queue's staleness reads their min and max): no rank reads them
+    assert not hasattr(batch, "token_versions")
     assert batch.truncated.tolist() == [False, True] and batch.rewards.tolist() == [0.0, 1.0]
     assert batch.ref_logprobs.tolist() == [[-1.0, 0.0], [-1.0, -1.0]] and batch.values is None
     batch.save(tmp_path / "batch.pt")

@@ -48,7 +48,6 @@ def test_training_batch_trains_only_the_sampled_tokens():
     batch = TrainingBatch.from_trajectories([_multi_turn()])
     assert batch.response_ids[0].tolist() == [5, 6, 9, 9, 9, 7, 2]
     assert batch.loss_mask[0].tolist() == [True, True, False, False, False, True, True]
-    assert batch.token_versions[0].tolist() == [3, 3, -1, -1, -1, 4, 4]
     assert batch.behavior_logprobs[0].tolist() == [-0.5, -0.25, 0.0, 0.0, 0.0, -0.125, -1.0]
 
 
