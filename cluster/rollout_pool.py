@@ -189,24 +189,23 @@ class RolloutPool(WorkerPool):
 
     # --- weights ----------------------------------------------------------------------------------------------------
     def _take_weights(self, slots: list[int]) -> None:
-        """New engines in `slots` (started, idle) take the newest weights; with a group-forming transport every
-        engine rejoins the weight group instead.
+        """New engines in `slots` (started, idle) load the newest weights, then, while generation runs, start their
+        runs; with a group-forming transport every engine rejoins the weight group instead.
 
-        While generation runs, a new engine just starts its run: its first call to the controller hands it the
-        newest announcement, which it loads (and checks) before it asks for work, so the driver does not wait
-        for the load between two steps. A death during that load ends the run ref, and the health check replaces
-        the engine as any other dead one. Idle engines (no run) load here, within fault.worker_start_timeout_s."""
+        While generation runs, the load and the run are both sent and not waited for: an actor runs its calls in
+        the order they were sent, so the engine loads (and checks, with weight_sync.verify_every) before its first
+        request, and the driver is not held between two steps meanwhile. A death during that load ends the run
+        ref too, and the health check replaces the engine as any other dead one. Idle engines (no run) load here,
+        within fault.worker_start_timeout_s."""
         if weight_backend(self.cfg).forms_group:
             self._rejoin_weight_group(slots)
             return
+        latest = ray.get(self.ctx.controller.latest_weights.remote(0), timeout=self.cfg.fault.worker_start_timeout_s)
+        loads = {slot: self.workers[slot].load_weights.remote(latest) for slot in slots} if latest is not None else {}
         if self.run_refs is not None:
             for slot in slots:
                 self.run_refs[slot] = self.workers[slot].run.remote()
             return
-        latest = ray.get(self.ctx.controller.latest_weights.remote(0), timeout=self.cfg.fault.worker_start_timeout_s)
-        if latest is None:
-            return
-        loads = {slot: self.workers[slot].load_weights.remote(latest) for slot in slots}
         for slot, ref in loads.items():
             try:
                 self._started(slot, ref)

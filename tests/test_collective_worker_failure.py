@@ -311,10 +311,10 @@ class Engine:
 @pytest.mark.slow
 @pytest.mark.parametrize("generating", [True, False], ids=["while generating", "idle"])
 def test_an_engine_that_dies_at_its_join_is_replaced_and_the_pool_reaches_its_size(ray_cluster, generating):
-    """An engine that started (it answered its probe) and died before it served: at its first weight load (idle
-    pool), or in its first run, where it loads the newest weights before asking for work (the driver does not wait
-    for that load). Either way it is replaced as a dead worker is (its id released, a new one started), and the
-    grow ends with the size asked for."""
+    """An engine that started (it answered its probe) and died at its first weight load, before it served: sent
+    with its run, unwaited, while generation runs (the engine's run ends with it), or waited for on an idle pool.
+    Either way it is replaced as a dead worker is (its id released, a new one started), and the grow ends with
+    the size asked for."""
     from cluster.rollout_pool import RolloutPool
     from cluster.worker_pool import PoolContext
     from protocols.config import load_config

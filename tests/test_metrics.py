@@ -174,7 +174,7 @@ def test_short_run_logs_reward_worker_counters_eval_sets_and_tool_metrics(ray_cl
     # after step 2 the engine (waited for before it) joins, then the cooldown holds; the pool stays at its limit
     assert rows[1]["autoscale/reason_hold_cooldown"] == 1.0
     assert [r["rollout/num_workers"] for r in rows] == [1.0, 2.0, 2.0, 2.0] and pool_size == 2
-    # the new worker (controller id 1) loaded the newest weights in its own run, the driver stepping on meanwhile
+    # the new worker (controller id 1) loaded the newest weights before its run, the driver stepping on meanwhile
     # (at max_staleness 0 worker 0 may take every prompt of steps 3 and 4 before that load ends)
     assert max(worker_stats[1]["versions_seen"]) >= 2, worker_stats
     print(f"\nautoscaler: grew 1 -> 2 after step {grow['step']:.0f} (learner waited "
