@@ -139,8 +139,7 @@ class RolloutController(LeaseBook):
         in_outbox = [h for h in headers if h.ref is None and h.group is None]
         if in_outbox:
             self._take_from_outbox(request.outbox, in_outbox)
-        for header in headers:
-            self._hand_over(header)
+        self.stage.submit(*[h for h in headers if self._hand_over(h)])  # one batch: a task per role, not per group
         for reason, group_ids in request.dropped.items():
             self._drop(reason, group_ids)
         if request.stats is not None:
@@ -246,14 +245,14 @@ class RolloutController(LeaseBook):
         return self.stage.set_workers(role, workers)
 
     # --- scored and dropped groups ------------------------------------------------------------------------
-    def _hand_over(self, header: GroupHeader) -> None:
+    def _hand_over(self, header: GroupHeader) -> bool:
         """A worker's finished group: it leaves the worker's lease (the stage holds it while it is scored), then
-        goes to the queue, or to the stage when a role still has to score it. A group whose lease was released
-        (its worker was declared lost) is ignored."""
+        goes to the queue, or, returning True, to the stage when a role still has to score it. A group whose
+        lease was released (its worker was declared lost) is ignored."""
         group_id = header.group_id
         if group_id in self.released:
             self._end_lease(group_id)  # counts the late arrival
-            return
+            return False
         holder = self.leases.get(group_id)
         if holder is not None:
             self.first_scored_at.setdefault(holder[0], time.time())
@@ -264,8 +263,8 @@ class RolloutController(LeaseBook):
             self.admitted += 1
         if header.rewarded and not any(self.stage.roles_for(header)):
             self._scored(header)
-        else:
-            self.stage.submit(header)
+            return False
+        return True
 
     def _scored(self, header: GroupHeader) -> bool:
         """A group every role scored: into the queue (or dropped and counted by it)."""
@@ -459,6 +458,5 @@ async def assembled(header: GroupHeader) -> TrajectoryGroup:
     """The group of `header` as the learner reads it, fetched by its refs (or inline)."""
     if header.ref is None:
         return header.inline()
-    group = await header.ref
-    scores = {role: await rows for role, rows in header.scores.items()}
-    return header.assemble(group, scores)
+    group, *rows = await asyncio.gather(header.ref, *header.scores.values())
+    return header.assemble(group, dict(zip(header.scores, rows)))

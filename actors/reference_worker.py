@@ -96,11 +96,11 @@ class ReferenceWorker:
         self._count(groups=1)
         return self.score_batch(TrainingBatch.from_trajectories(group.trajectories))
 
-    def score_rows(self, group: TrajectoryGroup) -> tuple[int, Any]:
-        """`score_group` as the scoring stage calls it, with two returns: the row count (small: the stage awaits
-        it) and the rows (left in the object store until the learner reads them)."""
-        rows = self.score_group(group)
-        return len(group.trajectories), rows
+    def score_rows(self, *groups: TrajectoryGroup) -> tuple:
+        """`score_group` of each of a batch's groups as the scoring stage calls it, with one return more than there
+        are groups: the row counts (small: the stage awaits them), then each group's rows (left in the object
+        store until the learner reads them)."""
+        return [len(g.trajectories) for g in groups], *(self.score_group(g) for g in groups)
 
     def stats(self) -> dict[str, float]:
         """COUNTERS since start."""

@@ -27,6 +27,10 @@ class RewardWorker:
         scored = self.scorer.score_group(group)
         return [t.reward for t in scored.trajectories], [t.result for t in scored.trajectories]
 
+    def score_groups(self, *groups: TrajectoryGroup) -> list[tuple[list[float], list[VerifierResult]]]:
+        """`score_group` of each of a batch's groups, in order (the scoring stage's call: one task per hand-over)."""
+        return [self.score_group(group) for group in groups]
+
     def score_held_out(self, prompts: list[Prompt], responses: list[str]) -> list[VerifierResult]:
         """Held-out scoring with the run's verifier, per-prompt verifiers, settings and limits. A failed check is
         `correct=False` with `error` set; these samples stay out of `metrics()` (they are not training data)."""

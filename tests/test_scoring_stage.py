@@ -21,9 +21,9 @@ class StandIn:
         self.name, self.behaviour, self.calls = name, behaviour, calls if calls is not None else []
 
 
-def call(worker: StandIn, method: str, returns: int, group) -> object:
-    """The stage's `call`, in place of Ray: what the worker's method would return, as awaitables."""
-    worker.calls.append((worker.name, method))
+def call(worker: StandIn, method: str, returns: int, groups: list) -> object:
+    """The stage's `call`, in place of Ray: what the worker's method would return for a batch, as awaitables."""
+    worker.calls.append((worker.name, method, len(groups)))
 
     async def first():
         if worker.behaviour == "dies":
@@ -32,11 +32,12 @@ def call(worker: StandIn, method: str, returns: int, group) -> object:
             raise RuntimeError("CUDA out of memory")
         if worker.behaviour == "hangs":
             await asyncio.sleep(60)
-        if method == "score_group":
-            return [1.0, 0.0], [None, None]
-        return len(group.trajectories)
+        if method == "score_groups":
+            return [([1.0, 0.0], [None, None])] * len(groups)
+        return [len(g.trajectories) for g in groups]
 
-    return first() if returns == 1 else [first(), f"rows of {worker.name}"]
+    assert returns == (1 if method == "score_groups" else 1 + len(groups))
+    return first() if returns == 1 else [first(), *(f"rows of {g.group_id} by {worker.name}" for g in groups)]
 
 
 def stage_of(workers: dict[str, list], max_attempts: int = 1, timeout_s: float = 5.0) -> tuple:
@@ -50,10 +51,11 @@ def stage_of(workers: dict[str, list], max_attempts: int = 1, timeout_s: float =
     return stage, out
 
 
-def score(stage: ScoringStage, *headers: GroupHeader, then=None) -> None:
+def score(stage: ScoringStage, *headers: GroupHeader, then=None, together: bool = False) -> None:
+    """Submit the headers one hand-over each, or all in one (`together`), and run the stage until it is done."""
     async def run():
-        for header in headers:
-            stage.submit(header)
+        for batch in [headers] if together else [[h] for h in headers]:
+            stage.submit(*batch)
         await asyncio.sleep(0)
         if then is not None:
             await then()
@@ -74,9 +76,35 @@ def test_every_role_scores_the_group_and_only_small_returns_are_awaited():
     (scored,) = out["scored"]
     assert scored.rewards == [1.0, 0.0] and scored.results == [None, None]
     # the rows stay where the worker left them (a ref in Ray): the header carries the second return as it came
-    assert scored.scores == {"reference": "rows of ref0", "teacher": "rows of t0"} and scored.min_version == 3
-    assert sorted(calls) == [("r0", "score_group"), ("ref0", "score_rows"), ("t0", "score_rows")]
+    assert scored.scores == {"reference": "rows of g0 by ref0", "teacher": "rows of g0 by t0"}
+    assert scored.min_version == 3
+    assert sorted(calls) == [("r0", "score_groups", 1), ("ref0", "score_rows", 1), ("t0", "score_rows", 1)]
     assert out["dropped"] == out["fatal"] == [] and stage.pending == {}
+
+
+def test_a_hand_overs_groups_are_scored_in_one_task_per_role_and_each_gets_its_own_rows():
+    calls: list = []
+    stage, out = stage_of({"reward": [StandIn("r0", calls=calls)], "reference": [StandIn("ref0", calls=calls)]})
+    # three groups to reward and one a client rewarded: two batches, by the roles each needs
+    score(stage, header("g0"), header("g1"), header("s0", rewarded=True), header("g2"), together=True)
+    assert sorted(calls) == [("r0", "score_groups", 3), ("ref0", "score_rows", 1), ("ref0", "score_rows", 3)]
+    scored = {h.group_id: h for h in out["scored"]}
+    assert sorted(scored) == ["g0", "g1", "g2", "s0"] and out["dropped"] == []
+    assert [scored[g].scores["reference"] for g in ("g0", "g1", "g2")] == [
+        "rows of g0 by ref0", "rows of g1 by ref0", "rows of g2 by ref0"]
+    assert scored["g1"].rewards == [1.0, 0.0] and stage.pending == {}
+
+
+def test_a_batch_whose_workers_die_is_resent_whole_then_dropped_group_by_group():
+    calls: list = []
+    stage, out = stage_of({"reward": [StandIn("a", "dies", calls), StandIn("b", "dies", calls)]})
+    score(stage, header("g0"), header("g1"), together=True)
+    assert calls == [("b", "score_groups", 2), ("a", "score_groups", 2)]  # round robin, then the other
+    assert sorted(out["dropped"]) == [("reward_worker_died", "g0"), ("reward_worker_died", "g1")]
+    stage, out = stage_of({"reward": [StandIn("r0", "raises")]})
+    score(stage, header("g0"), header("g1"), together=True)
+    assert "reward worker 0 raised on groups g0, g1: RuntimeError" in out["fatal"][0]
+    assert sorted(out["dropped"]) == [("scoring_failed", "g0"), ("scoring_failed", "g1")]
 
 
 def test_a_rewarded_group_skips_the_reward_and_goes_straight_through_without_other_roles():
@@ -84,7 +112,7 @@ def test_a_rewarded_group_skips_the_reward_and_goes_straight_through_without_oth
     stage, out = stage_of({"reward": [StandIn("r0", calls=calls)], "teacher": [StandIn("t0", calls=calls)]})
     assert stage.roles_for(header(rewarded=True)) == ["teacher"]
     score(stage, header(rewarded=True))
-    assert calls == [("t0", "score_rows")] and out["scored"][0].scores == {"teacher": "rows of t0"}
+    assert calls == [("t0", "score_rows", 1)] and out["scored"][0].scores == {"teacher": "rows of g0 by t0"}
     bare, _ = stage_of({"reward": [StandIn("r0")]})
     assert bare.roles_for(header(rewarded=True)) == []  # the controller queues it without the stage
 
@@ -94,7 +122,7 @@ def test_a_dead_workers_task_goes_to_a_live_one_and_the_dead_one_is_skipped_afte
     stage, out = stage_of({"reward": [StandIn("dead", "dies", calls), StandIn("live", calls=calls)]})
     score(stage, header("g0"), header("g1"), header("g2"))
     assert sorted(h.group_id for h in out["scored"]) == ["g0", "g1", "g2"] and out["dropped"] == []
-    assert calls.count(("dead", "score_group")) == 1  # marked dead at its first death
+    assert calls.count(("dead", "score_groups", 1)) == 1  # marked dead at its first death
     assert stage.counts["rescored_reward_worker_died"] == 1 and stage.dead["reward"] == {0}
 
 

@@ -49,11 +49,12 @@ def test_the_driver_sets_each_roles_live_list_on_the_controllers_scoring_stage()
 class StandInScorer:
     """A reward and reference worker stand-in with the methods the scoring stage calls."""
 
-    def score_group(self, group):
-        return [float(i % 2) for i in range(len(group.trajectories))], [None] * len(group.trajectories)
+    def score_groups(self, *groups):
+        return [([float(i % 2) for i in range(len(g.trajectories))], [None] * len(g.trajectories)) for g in groups]
 
-    def score_rows(self, group):
-        return len(group.trajectories), [[-1.0] * len(t.response_token_ids) for t in group.trajectories]
+    def score_rows(self, *groups):
+        return ([len(g.trajectories) for g in groups],
+                *([[-1.0] * len(t.response_token_ids) for t in g.trajectories] for g in groups))
 
     def ping(self):
         return 0
@@ -98,11 +99,12 @@ def test_the_scoring_stage_sends_a_dead_workers_group_to_a_live_one_then_drops_i
         g = [g for g, _ in ray.get(actor.sync.remote(SyncRequest(worker_id=0, version=0, want=3))).granted]
         lists = {"reward": [live], "reference": [live]}
         ray.get(actor.set_scoring_workers.remote({**lists, role: [dead, live]}))
-        ray.get(actor.sync.remote(SyncRequest(worker_id=0, version=0, scored=[(x, unscored_header(x)) for x in g[:2]])))
+        for x in g[:2]:  # two hand-overs, two batches: the round robin sends one of them to the dead worker
+            ray.get(actor.sync.remote(SyncRequest(worker_id=0, version=0, scored=[(x, unscored_header(x))])))
         assert ray.get(actor.release_worker.remote(0)) == [g[2]]  # the worker died: only the group it still held
         stats = stats_once(actor, lambda s: s["queue/depth"] == 2)
         assert stats["queue/depth"] == 2 and stats["queue/scoring"] == 0
-        assert stats[f"queue/rescored_{role}_worker_died"] == 1  # at most one of the two met the dead worker first
+        assert stats[f"queue/rescored_{role}_worker_died"] == 1  # one batch met the dead worker, the other the live
         # only dead workers left: one more send, then no live worker within scoring_timeout_s: dropped under the
         # role's reason
         ray.get(actor.set_scoring_workers.remote({**lists, role: [dead]}))
