@@ -88,6 +88,11 @@ class RolloutPool(WorkerPool):
         """The version whose broadcast broke, while its dead engine is replaced (the new group receives it)."""
         self._resent: WeightAnnouncement | None = None
         """The announcement of the last send on a rejoined group: a broken publish returns it."""
+        self.first_loads: dict = {}
+        """The unwaited first weight load of each engine that joined or replaced one while generation ran (ref ->
+        worker id), until `check` reads it."""
+        self.first_load_failures = 0
+        """First loads that raised without their engine dying (it loads again at its first sync)."""
         self.joining: Joining | None = None
         """A grow under way (begin_grow), until finish_grow adds its engines."""
         self.leaving: Leaving | None = None
@@ -146,7 +151,9 @@ class RolloutPool(WorkerPool):
 
     # --- health -----------------------------------------------------------------------------------------------------
     def check(self) -> None:
-        """A run ref that finished while generation runs is a dead worker (zero-timeout wait): replace it."""
+        """A run ref that finished while generation runs is a dead worker (zero-timeout wait): replace it. A first
+        weight load that raised without its engine dying is counted and logged (the run's sync loads again)."""
+        self._read_first_loads()
         if self.run_refs is None:
             return
         live = [ref for ref in self.run_refs if ref is not None]
@@ -164,6 +171,20 @@ class RolloutPool(WorkerPool):
                 continue
             # run() returns only at stop; the driver had not stopped it, so the loop must have been told to
             raise RuntimeError(f"rollout worker {index} left its loop before the run stopped: {report}")
+
+    def _read_first_loads(self) -> None:
+        ready, _ = ray.wait(list(self.first_loads), num_returns=len(self.first_loads), timeout=0) \
+            if self.first_loads else ([], [])
+        for ref in ready:
+            worker_id = self.first_loads.pop(ref)
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                pass  # its run ref ended too: the health check below replaces the engine
+            except Exception as err:  # noqa: BLE001 - any error of the load, counted, never fatal here
+                self.first_load_failures += 1
+                log.warning("rollout worker id %d failed its first weight load (%s: %s); it loads again at its "
+                            "first sync", worker_id, type(err).__name__, err)
 
     def replace(self, index: int, err: BaseException) -> None:
         cfg, start = self.cfg, time.monotonic()
@@ -205,6 +226,7 @@ class RolloutPool(WorkerPool):
         if self.run_refs is not None:
             for slot in slots:
                 self.run_refs[slot] = self.workers[slot].run.remote()
+            self.first_loads.update({ref: self.ids.ids[slot] for slot, ref in loads.items()})
             return
         for slot, ref in loads.items():
             try:

@@ -132,7 +132,8 @@ class Supervisor:
     def metrics(self) -> dict[str, float]:
         return {**{f"fault/replaced_{name}": float(pool.replaced) for name, pool in self.pools.items()},
                 **{f"fault/start_failures_{name}": float(pool.start_failures) for name, pool in self.pools.items()},
-                "fault/resent_publishes": float(self.resent_publishes)}
+                "fault/resent_publishes": float(self.resent_publishes),
+                "fault/first_load_failures": float(self.rollout.first_load_failures)}
 
     def replaced_counts(self) -> dict[str, int]:
         """Replacements by role over the run (summary.json's `replaced_workers`)."""

@@ -308,6 +308,38 @@ class Engine:
         return self.loaded
 
 
+@ray.remote(num_cpus=0)
+class EngineWhoseFirstLoadRaises(Engine.__ray_actor_class__):
+    """A new engine that stays alive but whose first weight load raises (its run loads again at its first sync)."""
+
+    def load_weights(self, announcement) -> float:
+        raise OSError("no space left on device")
+
+
+@pytest.mark.slow
+def test_a_first_load_that_raises_without_the_engine_dying_is_counted_and_the_engine_serves(ray_cluster):
+    from cluster.rollout_pool import RolloutPool
+    from cluster.worker_pool import PoolContext
+    from protocols.config import load_config
+
+    controller = JoinController.remote()
+    pool = RolloutPool(PoolContext(load_config(None, []), controller, placement=None, model_path="unused"))
+    pool.workers.append(Engine.remote(controller))
+    pool.build = lambda slot, worker_id: EngineWhoseFirstLoadRaises.remote(controller)
+    pool.start_runs()
+    pool.begin_grow(2)
+    assert pool.finish_grow(wait=True) is not None
+    (load,) = pool.first_loads
+    ray.wait([load], timeout=60)
+    pool.check()
+    assert pool.first_load_failures == 1 and pool.first_loads == {} and pool.replaced == 0
+    assert ray.wait([pool.run_refs[1]], timeout=0)[1]  # still running: nothing to replace
+    ray.get(controller.stop.remote())
+    assert len(pool.stop_runs()) == 2
+    for worker in pool.workers:
+        ray.kill(worker)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("generating", [True, False], ids=["while generating", "idle"])
 def test_an_engine_that_dies_at_its_join_is_replaced_and_the_pool_reaches_its_size(ray_cluster, generating):

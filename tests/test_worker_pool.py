@@ -92,7 +92,7 @@ class StandInPool:
         self.name, self._handles, self.replaced, self.scores = name, handles, replaced, scores
         self.restart_seconds = [1.5] * replaced
         self.calls = calls if calls is not None else []
-        self.resent_publishes = 0
+        self.resent_publishes = self.first_load_failures = 0
         self.start_failures = 0
 
     def handles(self) -> list:
@@ -115,6 +115,7 @@ def test_the_supervisor_loops_over_pools_in_order_and_counts_by_role():
     pools["rollout"].start_failures = 1
     assert sup.metrics() == {"fault/replaced_critic": 0.0, "fault/replaced_reward": 2.0,
                              "fault/replaced_rollout": 1.0, "fault/resent_publishes": 0.0,
+                             "fault/first_load_failures": 0.0,
                              "fault/start_failures_critic": 0.0, "fault/start_failures_reward": 0.0,
                              "fault/start_failures_rollout": 1.0}
     assert sup.restart_seconds == [1.5, 1.5, 1.5] and sup.workers("reward") == ["r0", "r1"]
