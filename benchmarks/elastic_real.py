@@ -71,7 +71,9 @@ def main() -> None:
     def timed_finish_grow(wait: bool = False):
         t0 = time.perf_counter()
         seconds = finish_grow(wait)
-        if seconds is not None:  # the call that added the engines: the driver was between two steps
+        # the call that added the engines between two steps; a grow still starting when the run stops is waited
+        # for (`wait`, the pool's settle at stop): that wait is the run's end, not a hold between steps
+        if seconds is not None and not wait:
             holds.append(time.perf_counter() - t0)
         return seconds
 
@@ -89,6 +91,9 @@ def main() -> None:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps_s = sorted(r["time/step_s"] for r in rows)
     median = steps_s[len(steps_s) // 2]
+    if not holds:
+        raise SystemExit("the new engines joined only when the run stopped (no join between two steps): "
+                         "raise --steps")
     print(f"\ndriver held between two steps at the join: {max(holds):.2f} s (median step {median:.2f} s; "
           f"ratio {max(holds) / median:.2f})")
     new_ids = ids[args.workers:]
