@@ -157,7 +157,7 @@ def staleness_metrics(trajectories: list[Trajectory], version: int) -> dict[str,
     histogram, and the share of samples whose tokens span several versions. Each sample's oldest and newest
     version are the trajectory's own (Trajectory.min_version, max_version: the engine's tokens only), the values
     the replay queue drops stale groups by."""
-    spans = [(t.min_version, t.max_version) for t in trajectories]  # each walks the sample's tokens once
+    spans = [t.version_span for t in trajectories]  # one walk of each sample's tokens
     lags = [version - oldest for oldest, _ in spans]
     out = {"staleness/mean": sum(lags) / len(lags), "staleness/max": float(max(lags))}
     for lag in sorted(set(lags)):

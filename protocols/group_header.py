@@ -46,7 +46,7 @@ class GroupHeader:
         """The header of `group`, walking its tokens once. `ref`: where it was put (None keeps it inline).
         `rewarded`: its samples already carry their rewards (a session's group, or a scored one)."""
         trajs = group.trajectories
-        spans = [(t.min_version, t.max_version) for t in trajs]
+        spans = [t.version_span for t in trajs]
         return cls(group_id=group.group_id, prompt_id=trajs[0].prompt.prompt_id if trajs else "",
                    response_lengths=[len(t.response_token_ids) for t in trajs],
                    truncated=[t.truncated for t in trajs],

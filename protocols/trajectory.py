@@ -244,18 +244,22 @@ class Trajectory(BaseModel):
         """Model turns: one more than the tool calls."""
         return 1 + len(self.tool_calls or [])
 
-    def _sampled_versions(self) -> list[int]:
+    @property
+    def version_span(self) -> tuple[int, int]:
+        """(oldest, newest) policy version that sampled a token, (-1, -1) for none; one walk of the tokens, for
+        readers that need both (GroupHeader.of, the driver's staleness metrics)."""
         # the tool segments (tool_calls) say which tokens the engine sampled; the -1 on tool tokens is only a fill
-        return [v for v, model in zip(self.token_versions, self.loss_mask) if model]
+        sampled = [v for v, model in zip(self.token_versions, self.loss_mask) if model]
+        return (min(sampled), max(sampled)) if sampled else (-1, -1)
 
     @property
     def min_version(self) -> int:
         """Oldest policy version that produced a token (tool tokens have none): staleness is measured from it."""
-        return min(self._sampled_versions(), default=-1)
+        return self.version_span[0]
 
     @property
     def max_version(self) -> int:
-        return max(self._sampled_versions(), default=-1)
+        return self.version_span[1]
 
 
 class TrajectoryGroup(BaseModel):
