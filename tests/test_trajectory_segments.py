@@ -40,7 +40,9 @@ def test_segments_mask_and_versions_of_a_multi_turn_response():
     assert [(s.kind, s.token_ids) for s in t.segments] == [("model", [5, 6]), ("tool", [9, 9, 9]), ("model", [7, 2])]
     assert t.segments[1].behavior_logprobs is None and t.segments[2].token_versions == [4, 4]
     # tool tokens have no version: staleness is measured from the oldest sampled token (3), not from -1
-    assert (t.min_version, t.max_version) == (3, 4)
+    assert (t.min_version, t.max_version) == t.version_span == (3, 4)
+    assert t.model_copy(update={"response_token_ids": [], "behavior_logprobs": [], "token_versions": [],
+                                "tool_calls": None}).version_span == (-1, -1)  # no sampled token
     assert t.final_text == "6" and t.num_turns == 2 and not t.truncated
 
 
