@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from protocols.algorithm import DEFAULT_PRESET, AlgorithmConfig
 from protocols.cluster_config import ClusterConfig
 from protocols.data import DataConfig
-from protocols.device_defaults import gpu_defaults
+from protocols.device_defaults import check_gpu_weight_sync, gpu_defaults
 from protocols.fault import FaultConfig
 from protocols.gateway import GatewayConfig
 from protocols.learner_config import LearnerConfig
@@ -170,7 +170,8 @@ class RunConfig(BaseModel):
     @model_validator(mode="after")
     def _device_defaults(self) -> "RunConfig":
         """cluster.use_gpus: each device-dependent setting the user left unset takes its GPU value
-        (protocols/device_defaults.py). First of the checks, so that they see the values the run uses."""
+        (protocols/device_defaults.py), and a weight transport that would not work on GPUs is refused. First of
+        the checks, so that they see the values the run uses."""
         set_fields = {f"{section}.{name}" for section in ("model", "rollout")
                       for name in getattr(self, section).model_fields_set}
         if self.weight_sync.verify_tolerance is not None:
@@ -178,6 +179,7 @@ class RunConfig(BaseModel):
         for dotted, value in gpu_defaults(self.cluster.use_gpus, set_fields, self.model.dtype).items():
             section, name = dotted.split(".")
             setattr(getattr(self, section), name, value)
+        check_gpu_weight_sync(self.cluster.use_gpus, self.weight_sync.type, self.rollout.tensor_parallel_size)
         return self
 
     def _check_mini_batches(self, samples: int, groups: int, what: str) -> None:

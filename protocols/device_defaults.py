@@ -37,3 +37,18 @@ def gpu_defaults(use_gpus: bool, set_fields: set[str], dtype: str) -> dict[str, 
     if dtype != "float32" and "weight_sync.verify_tolerance" not in set_fields:
         out["weight_sync.verify_tolerance"] = GPU_16BIT_SYNC_TOLERANCE
     return out
+
+
+def check_gpu_weight_sync(use_gpus: bool, weight_sync_type: str, tensor_parallel_size: int) -> None:
+    """Refuse, at config load, a weight transport that would not work on GPUs. The collective transport receives
+    each version in the engine actor, not in each tensor-parallel worker: at tensor_parallel_size > 1 that actor
+    holds no GPU, and at 1 it stages a full copy of the weights beside the engine's memory reservation (15 GB at
+    7B in bf16: out of memory at utilization 0.85). vLLM's own weight-transfer engine, with every worker a member
+    of the group, is what would fix it; relayrl does not use it yet (docs/weight_sync.md)."""
+    if use_gpus and weight_sync_type == "collective":
+        raise ValueError(
+            f"weight_sync.type=collective with cluster.use_gpus=true (rollout.tensor_parallel_size="
+            f"{tensor_parallel_size}) is not supported: the collective transport receives each version in the "
+            "engine actor, not in each tensor-parallel worker, and stages a full copy of the weights beside the "
+            "engine's memory reservation. Set weight_sync.type=object_store: each tensor-parallel worker then "
+            "loads its version from the object store (zero-copy on its node) through the vLLM worker extension")

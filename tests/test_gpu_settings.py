@@ -190,6 +190,15 @@ def test_gpu_defaults_fill_only_what_the_user_left_unset():
     assert RunConfig.model_validate(saved) == cfg
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_collective_transport_on_gpus_is_refused_at_load_naming_the_fix(tp):
+    with pytest.raises(ValueError, match="weight_sync.type=collective with cluster.use_gpus=true") as err:
+        load_config(None, [*GPU, "weight_sync.type=collective", f"rollout.tensor_parallel_size={tp}"])
+    assert "Set weight_sync.type=object_store" in str(err.value) and f"tensor_parallel_size={tp}" in str(err.value)
+    assert load_config(None, [*GPU, f"rollout.tensor_parallel_size={tp}"]).weight_sync.type == "object_store"
+    assert load_config(None, ["weight_sync.type=collective"]).weight_sync.type == "collective"  # CPU: unchanged
+
+
 def test_sync_tolerance_depends_on_dtype_and_device_and_its_stop_names_the_setting():
     assert WeightCheck(load_config(None, GPU), vocab_size=15, context_tokens=64).tolerance == GPU_16BIT_SYNC_TOLERANCE
     assert WeightCheck(load_config(None, ["model.dtype=bfloat16"]), 15, 64).tolerance == 0.5  # CPU, bf16
