@@ -43,3 +43,17 @@ def test_installed_vllm_has_the_native_weight_transfer_api():
         assert backend in WeightTransferEngineFactory._registry, f"no {backend} engine-side weight transfer"
         assert backend in WeightTransferTrainerFactory._registry, f"no {backend} trainer-side weight transfer"
     assert WeightTransferConfig(backend="sparse_nccl").backend == "sparse_nccl"
+
+
+def test_a_rollout_worker_runs_the_interface_check_before_it_builds_its_engine(monkeypatch):
+    """The check is called at start, not only by this suite: a vLLM that fails it stops the worker there, with the
+    check's message, before an engine exists."""
+    import actors.rollout_worker as rollout_worker
+
+    def planted() -> str:
+        raise RuntimeError("planted: vllm.LLM.collective_rpc is missing")
+
+    monkeypatch.setattr(rollout_worker, "check_vllm_interfaces", planted)
+    monkeypatch.setattr(rollout_worker, "configure_vllm_env", lambda cfg: None)  # leaves this process's env alone
+    with pytest.raises(RuntimeError, match="planted: vllm.LLM.collective_rpc is missing"):
+        rollout_worker.RolloutWorker(load_config(None), 0, "no-model-folder")
