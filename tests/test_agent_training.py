@@ -187,6 +187,12 @@ def outside_agents(run_dir, stop: threading.Event, waited: threading.Event, play
     script.append(subprocess.Popen(
         [sys.executable, str(REPO / "demos" / "outside_agent.py"), str(run_dir), "--tasks", "1", "--concurrency", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}))
+    # the thread's groups start once the program's group is in: four of the thread's alone would end the run's two
+    # steps, and a loaded machine can start the program (Python, the SDK) slower than that
+    try:
+        script[0].wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        pass  # its assertions below say what it printed
     for task in itertools.count(2):
         if stop.is_set():
             return
