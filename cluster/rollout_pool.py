@@ -173,8 +173,9 @@ class RolloutPool(WorkerPool):
             raise RuntimeError(f"rollout worker {index} left its loop before the run stopped: {report}")
 
     def _read_first_loads(self) -> None:
-        ready, _ = ray.wait(list(self.first_loads), num_returns=len(self.first_loads), timeout=0) \
-            if self.first_loads else ([], [])
+        if not self.first_loads:
+            return
+        ready, _ = ray.wait(list(self.first_loads), num_returns=len(self.first_loads), timeout=0)
         for ref in ready:
             worker_id = self.first_loads.pop(ref)
             try:
