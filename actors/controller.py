@@ -64,7 +64,8 @@ class RolloutController(LeaseBook):
     def __init__(self, prompts: list[Prompt], prompts_per_step: int, max_staleness: int,
                  drop_zero_variance: bool, seed: int, num_workers: int = 1,
                  clock: Callable[[], float] = time.monotonic, length_aware: bool = False,
-                 from_data: bool = True, max_rescore_attempts: int = 2, scoring_timeout_s: float = 1800.0) -> None:
+                 from_data: bool = True, max_rescore_attempts: int = 2, scoring_timeout_s: float = 1800.0,
+                 source_weights: dict[str, float] | None = None) -> None:
         LeaseBook.__init__(self)
         self.stage = ScoringStage(max_rescore_attempts, scoring_timeout_s, self._scored, self._drop_one,
                                   self._fatal)
@@ -73,7 +74,8 @@ class RolloutController(LeaseBook):
         """Set when a scoring worker raised without dying: the driver's next `wait_batch` raises it."""
         self.from_data = from_data
         """False under gateway.outside_only: no prompt is leased (no data set); every group is a session group."""
-        self.cursor = PromptCursor(prompts, seed) if from_data else None
+        self.cursor = PromptCursor(prompts, seed, source_weights) if from_data else None
+        """`source_weights` ({data_source: weight}, data.tasks): the cursor draws a mixture's sources by weight."""
         self.prompts_per_step = prompts_per_step
         self.max_staleness = max_staleness
         self.num_workers = num_workers
@@ -353,6 +355,7 @@ class RolloutController(LeaseBook):
             "queue/scoring": len(self.stage.pending),
             **{f"queue/{name}": n for name, n in self.stage.counts.items()},
             "data/epoch": self.cursor.epoch if self.cursor is not None else 0,
+            **(self.cursor.metrics() if self.cursor is not None else {}),
         }
         out.update({f"queue/dropped_{reason}": n for reason, n in q.dropped.items()})
         if q.drop_zero_variance:

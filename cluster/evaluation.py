@@ -234,7 +234,23 @@ def evaluate(workers: list, prompts: list[Prompt], reward_workers: list, reward_
     if report is not None:
         report["eval/samples"] = len(prompts)
         report.update({f"eval/error_{kind}": n for kind, n in errors.items()})
+        report.update(source_accuracy(flat_prompts, correct))
     return sum(correct) / len(prompts)
+
+
+def source_accuracy(prompts: list[Prompt], correct: list[bool]) -> dict[str, float]:
+    """eval/<source>/accuracy and eval/<source>/samples for each source of a mixture (each prompt's
+    `metadata.data_source`, data.tasks); {} when no prompt names one."""
+    hits: dict[str, list[bool]] = {}
+    for prompt, right in zip(prompts, correct):
+        source = prompt.metadata.get("data_source")
+        if source is not None:
+            hits.setdefault(str(source), []).append(bool(right))
+    out: dict[str, float] = {}
+    for source, values in sorted(hits.items()):
+        out[f"eval/{source}/accuracy"] = sum(values) / len(values)
+        out[f"eval/{source}/samples"] = float(len(values))
+    return out
 
 
 def evaluate_sets(rollout_workers: list, reward_workers: list, eval_sets: list[EvalSet], cfg: RunConfig,

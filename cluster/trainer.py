@@ -40,7 +40,7 @@ from learner.prepare import (
     staleness_metrics,
 )
 from protocols.config import RunConfig, dump_config
-from protocols.metrics import gateway_metrics, length_metrics, rollout_metrics
+from protocols.metrics import gateway_metrics, length_metrics, rollout_metrics, source_metrics
 from protocols.training_batch import TrainingBatch
 from protocols.trajectory import TrajectoryGroup
 from rewards.datasets import load_prompts
@@ -109,7 +109,8 @@ class Trainer:
             self.train_prompts, cfg.learner.prompts_per_step, cfg.train.max_staleness,
             cfg.algorithm.dynamic_sampling, cfg.train.seed, cfg.rollout.num_workers,
             length_aware=cfg.rollout.length_aware_dispatch, from_data=not cfg.gateway.outside_only,
-            max_rescore_attempts=cfg.fault.max_rescore_attempts, scoring_timeout_s=cfg.fault.scoring_timeout_s)
+            max_rescore_attempts=cfg.fault.max_rescore_attempts, scoring_timeout_s=cfg.fault.scoring_timeout_s,
+            source_weights=cfg.data.source_weights())
         # A pool per role (cluster/pools.py). Every role's actors start, none waited for, while the learner group
         # starts here; then each pool waits for its own, the critic's ranks first (they join their group). The starts
         # overlap: an engine start and a DeepSpeed group start each take tens of seconds, much of it waiting.
@@ -152,6 +153,7 @@ class Trainer:
         self.trained_group_ids.extend(g.group_id for g in groups)
         batch = TrainingBatch.from_trajectories(trajectories)
         staleness = staleness_metrics(trajectories, self.version)
+        sources = source_metrics(trajectories, self.version)  # {} unless the data is a mixture (data.tasks)
         if staleness["staleness/max"] > cfg.train.max_staleness:
             raise RuntimeError(f"the queue returned a sample {staleness['staleness/max']:.0f} versions old, more than "
                                f"train.max_staleness={cfg.train.max_staleness} allows")
@@ -190,6 +192,7 @@ class Trainer:
             **pool_metrics,
             **prepared.metrics,
             **staleness,
+            **sources,
             **(tool_metrics(tools) if tools else {}),
             "reward/mean": float(batch.rewards.mean()),
             "reward/shaped_mean": float(rewards.mean()),

@@ -1,17 +1,58 @@
 """Where prompts come from and how they are turned into token ids (see rewards/datasets.py)."""
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class TaskSource(BaseModel):
+    """One task of a task library in a mixture (`data.format: reasoning_gym`): its generator, its share of the
+    training prompts, and the library's own scorer as its reward (rewards/task_library.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    """The reasoning-gym dataset name, as `reasoning_gym.create_dataset` takes it (`basic_arithmetic`,
+    `leg_counting`, `chain_sum`, ...). A name the installed library does not know is refused at start, with the
+    names it knows."""
+
+    label: str = ""
+    """The task's name in metrics, plots and prompt ids (`source/<label>/*`); empty means `name`. Give two entries
+    of one dataset with different configs different labels."""
+
+    weight: float = Field(1.0, gt=0)
+    """Share of the training prompts, relative to the other tasks' weights: the prompt cursor draws the tasks in
+    these proportions at every point of the run (actors/prompt_cursor.py), whatever the tasks' sizes."""
+
+    size: int = Field(1000, ge=1)
+    """Distinct training entries generated; the task's prompts repeat, reshuffled, once it has used them all."""
+
+    seed: int = Field(0, ge=0)
+    """The generator's seed for the training entries. Held-out entries come from another seed far from it, and
+    any that repeats a training question is left out and counted (`data/eval_overlap_skipped`)."""
+
+    config: dict[str, Any] = Field(default_factory=dict)
+    """The dataset's own settings (the fields of its reasoning-gym config class besides `size` and `seed`), e.g.
+    `{min_terms: 2, max_terms: 3}` for `chain_sum`. The scorer builds the dataset with the same settings."""
+
+    @property
+    def source(self) -> str:
+        """The task's name in metrics and in each prompt's `data_source`."""
+        return self.label or self.name
 
 
 class DataConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    format: Literal["arithmetic", "longcot", "gsm8k", "math", "jsonl", "parquet"] = "arithmetic"
+    format: Literal["arithmetic", "longcot", "gsm8k", "math", "jsonl", "parquet", "reasoning_gym"] = "arithmetic"
     """`arithmetic` is the built-in synthetic demo task; `longcot` the long chain-of-thought demo task
     (rewards/longcot_data.py: `a*b=` worked out step by step); `gsm8k` and `math` read those datasets' own fields;
-    `jsonl` and `parquet` read any file through the field mapping below."""
+    `jsonl` and `parquet` read any file through the field mapping below; `reasoning_gym` generates the mixture of
+    `data.tasks` with reasoning-gym and scores each with the library's own `score_answer` (docs/tasks.md)."""
+
+    tasks: list[TaskSource] = Field(default_factory=list)
+    """`data.format: reasoning_gym`: the tasks of the mixture, each with its weight. Held-out evaluation is per task
+    (`eval/<label>/accuracy`), with `data.num_eval_prompts` shared evenly between the tasks."""
 
     train_path: str = ""
     """Training prompts file (JSONL or Parquet). Unused for `arithmetic`, which generates its prompts."""
@@ -68,3 +109,27 @@ class DataConfig(BaseModel):
     longcot_max_b: int = Field(72, ge=2, le=500)
     """Long-CoT demo task: largest multiplier; the solution of `a*b` takes about 15 tokens per unit of b, so 72
     gives the longest response of 1,108 tokens. rollout.max_response_tokens and the model's context must cover it."""
+
+    @model_validator(mode="after")
+    def _check_tasks(self) -> "DataConfig":
+        if self.format == "reasoning_gym" and not self.tasks:
+            raise ValueError("data.format=reasoning_gym needs data.tasks: a list of reasoning-gym datasets, e.g. "
+                             "`tasks: [{name: basic_arithmetic}, {name: leg_counting, weight: 2}]`")
+        if self.tasks and self.format != "reasoning_gym":
+            raise ValueError(f"data.tasks is set but data.format={self.format!r} does not read it; set "
+                             "data.format=reasoning_gym, or remove data.tasks")
+        labels = [t.source for t in self.tasks]
+        repeated = sorted({label for label in labels if labels.count(label) > 1})
+        if repeated:
+            raise ValueError(f"data.tasks names {repeated} more than once: give each entry its own `label` (a "
+                             "dataset may appear twice with different configs, under two labels)")
+        for label in labels:
+            if "/" in label or not label.strip():
+                raise ValueError(f"data.tasks label {label!r} must be a non-empty name without `/`: it names the "
+                                 "task's metrics (`source/<label>/accuracy`)")
+        return self
+
+    def source_weights(self) -> dict[str, float]:
+        """{task label: weight} of a mixture, or {} when the data set is one source (the prompts are drawn in
+        their shuffled order)."""
+        return {t.source: t.weight for t in self.tasks}

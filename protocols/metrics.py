@@ -70,7 +70,11 @@ SECTIONS: dict[str, str] = {
                 "probe log-prob of the checks compared at this step)",
     "eval/": "held-out evaluation: eval/accuracy (greedy, the run's test split), eval/<set>/accuracy, "
              "eval/<set>/pass@<k>, eval/<set>/samples, eval/<set>/error_<kind> for each train.eval_sets entry",
-    "data/": "loader counts (loaded, skipped_too_long) and the controller's data epoch",
+    "data/": "loader counts (loaded, skipped_too_long, eval_overlap_skipped) and the controller's data epoch; "
+             "with a mixture (data.tasks) drawn_<source>, the prompts drawn from each source so far",
+    "source/": "a mixture's sources (data.tasks), each over its samples of the trained batch: "
+               "source/<source>/share (its share of the batch's samples), reward_mean, accuracy, length_mean, "
+               "calls_per_sample (tool calls), staleness_mean",
     "critic/": "the critic group's update (ppo): value_loss, value_clip_frac, values_mean, returns_mean, "
                "explained_variance, grad_norm_max, lr, version, seconds_max, skipped_nonfinite (updates skipped "
                "after a NaN or infinite loss, as learner/skipped_nonfinite), update_lost (an update lost with a dead "
@@ -83,6 +87,28 @@ SECTIONS: dict[str, str] = {
 """Every name with a `/` belongs to one of these sections. Names without one are the objective's own
 (loss, pg_loss, kl, entropy, clip_frac*, ratio_*, is_*, grad_norm_max, num_tokens, policy_version, ...;
 see learner/objective.py finalize_metrics)."""
+
+
+def source_metrics(trajectories: list, version: int) -> dict[str, float]:
+    """source/<source>/*: the trained batch split by each sample's `prompt.metadata.data_source` (a mixture's
+    task), beside the totals; {} when no sample names a source. `version`: the policy version the batch trains at
+    (staleness is version minus each sample's oldest token's)."""
+    by_source: dict[str, list] = {}
+    for t in trajectories:
+        source = t.prompt.metadata.get("data_source")
+        if source is not None:
+            by_source.setdefault(str(source), []).append(t)
+    out: dict[str, float] = {}
+    for source, samples in sorted(by_source.items()):
+        n = len(samples)
+        prefix = f"source/{source}/"
+        out[prefix + "share"] = n / len(trajectories)
+        out[prefix + "reward_mean"] = sum(t.reward for t in samples) / n
+        out[prefix + "accuracy"] = sum(bool(t.result and t.result.correct) for t in samples) / n
+        out[prefix + "length_mean"] = sum(len(t.response_token_ids) for t in samples) / n
+        out[prefix + "calls_per_sample"] = sum(len(t.tool_calls or ()) for t in samples) / n
+        out[prefix + "staleness_mean"] = sum(version - t.version_span[0] for t in samples) / n
+    return out
 
 
 def length_metrics(lengths: list[int], prefix: str = "response/") -> dict[str, float]:

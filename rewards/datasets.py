@@ -15,6 +15,7 @@ from rewards.answer_formats import gsm8k_gold_answer, last_boxed
 from rewards.arithmetic_data import arithmetic_problems, problem_answer, problem_text
 from rewards.longcot_data import longcot_problems, solution_text
 from rewards.longcot_data import problem_text as longcot_text
+from rewards.task_library_data import load_task_prompts
 
 Split = Literal["train", "test"]
 
@@ -32,6 +33,8 @@ def load_prompts(cfg: DataConfig, split: Split, tokenizer: Any,
         return load_arithmetic_prompts(cfg, split, tokenizer, tools=tools)
     if cfg.format == "longcot":
         return load_longcot_prompts(cfg, split, tokenizer, tools=tools)
+    if cfg.format == "reasoning_gym":
+        return load_task_prompts(cfg, split, tokenizer, encode_prompt, tools)
     setting = "data.train_path" if split == "train" else "data.test_path"
     path = cfg.train_path if split == "train" else cfg.test_path
     if not path:

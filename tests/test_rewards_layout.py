@@ -81,8 +81,8 @@ def test_rewards_imports_have_no_cycle():
 
 
 def test_data_loaders_reach_no_verifier():
-    assert _verifier_modules() == {"arithmetic", "code_sandbox", "gsm8k", "longcot", "math_answer"}
-    for data_module in ("datasets", "arithmetic_data", "longcot_data", "answer_formats"):
+    assert _verifier_modules() == {"arithmetic", "code_sandbox", "gsm8k", "longcot", "math_answer", "task_library"}
+    for data_module in ("datasets", "arithmetic_data", "longcot_data", "task_library_data", "answer_formats"):
         assert not _reachable(data_module) & _verifier_modules(), data_module
 
 
